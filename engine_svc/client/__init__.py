@@ -1,0 +1,1 @@
+"""Engine-core clients: one interface, in process or across processes."""

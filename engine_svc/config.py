@@ -1,0 +1,64 @@
+"""Engine options, as users pass them to `LLM(...)` or the engine service's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from shared.errors import InvalidRequestError
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: str
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    device: str = "auto"  # "auto": CUDA when available, else CPU
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len w/o chunking
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    num_kv_blocks: int | None = None  # overrides the sizing from the memory budget
+    kv_cache_memory_bytes: int | None = None  # budget for weights+activations+KV
+    gpu_memory_utilization: float = 0.9
+    max_concurrent_batches: int = 1  # >1: the executor pipelines batches (batch queue)
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    fail_after_steps: int | None = None  # test hook: the forward raises after N steps
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8..128")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        if self.max_num_batched_tokens is not None:
+            _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        if self.num_kv_blocks is not None:
+            _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]")
+        _check(self.max_concurrent_batches >= 1, "max_concurrent_batches", "must be >= 1")
+        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs|priority")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """What the scheduler needs, resolved against the model at start-up."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    policy: SchedulingPolicy = "fcfs"
+    vocab_size: int = 0  # 0: token ids are not checked
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message)

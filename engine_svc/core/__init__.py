@@ -1,0 +1,1 @@
+"""The engine core: request state, KV-cache manager, scheduler and the step loop."""

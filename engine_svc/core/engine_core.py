@@ -1,0 +1,242 @@
+"""EngineCore: scheduler + KV-cache manager + executor, stepped by whoever owns it.
+
+`step()` is the whole engine: schedule, launch the forward (a future), do the next step's
+CPU work while it runs, apply aborts that arrived meanwhile, then write the sampled tokens
+into the requests. `step_with_batch_queue()` keeps several batches in flight for
+executors that take more than one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from engine_svc.config import EngineConfig, SchedulerConfig
+from engine_svc.core.kv_cache.sizing import GiB, KVCachePlan, plan_kv_cache
+from engine_svc.core.request import Request
+from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.core.sched.scheduler import Scheduler
+from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_svc.models.model_spec import ModelSpec, load_model_spec
+from engine_svc.worker.executor import UniProcExecutor
+from engine_svc.worker.model_runner import resolve_device, resolve_dtype
+from shared.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
+CPU_PROFILE_TOKENS = 256
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.spec = load_model_spec(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.spec, device)
+        self.max_model_len = _resolve_max_model_len(config, self.spec)
+        enable_chunking, enable_caching = _attention_constraints(config, self.spec)
+        max_batched = _resolve_max_batched_tokens(config, self.max_model_len, enable_chunking)
+
+        self.executor = UniProcExecutor(
+            config.model,
+            self.spec,
+            dtype,
+            device,
+            config.block_size,
+            config.max_concurrent_batches,
+            config.fail_after_steps,
+        )
+        self.executor_failed: BaseException | None = None
+        self.executor.register_failure_callback(self._on_executor_failure)
+        self.kv_plan = self._initialize_kv_caches(max_batched)
+
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                block_size=config.block_size,
+                num_kv_blocks=self.kv_plan.num_blocks,
+                enable_prefix_caching=enable_caching,
+                enable_chunked_prefill=enable_chunking,
+                policy=config.scheduling_policy,
+                vocab_size=self.spec.vocab_size,
+                eos_token_ids=frozenset(self.spec.eos_token_ids),
+            )
+        )
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.step_fn = (
+            self.step if config.max_concurrent_batches == 1 else self.step_with_batch_queue
+        )
+        self._aborts_in_flight: list[str] = []
+        self._pending_outputs: list[EngineCoreOutput] = []
+
+    # ---- start-up --------------------------------------------------------------------
+
+    def _initialize_kv_caches(self, max_batched_tokens: int) -> KVCachePlan:
+        runner = self.executor.runner
+        activation = 0
+        if self.config.num_kv_blocks is None:
+            num_seqs = min(self.config.max_num_seqs, max_batched_tokens)
+            profile_tokens = max_batched_tokens
+            if runner.device.type == "cpu":
+                # CPU memory has no allocator statistics: the resident-set growth of a short
+                # forward catches fixed costs, the estimate covers the part that grows
+                # with the batch, and a full-size forward would add seconds to each start.
+                profile_tokens = min(max_batched_tokens, CPU_PROFILE_TOKENS)
+            measured = runner.profile_activation_bytes(
+                profile_tokens, min(num_seqs, profile_tokens)
+            )
+            estimated = runner.estimate_activation_bytes(max_batched_tokens, num_seqs)
+            activation = max(measured, estimated)
+        plan = plan_kv_cache(
+            budget_bytes=self._memory_budget(runner.device),
+            weight_bytes=runner.weight_bytes,
+            activation_bytes=activation,
+            bytes_per_block=runner.kv_bytes_per_block(),
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            num_blocks_override=self.config.num_kv_blocks,
+        )
+        runner.allocate_kv_cache(plan.num_blocks)
+        logger.info("%s", plan.describe())
+        return plan
+
+    def _memory_budget(self, device: torch.device) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            return int(total * self.config.gpu_memory_utilization)
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request; raises InvalidRequestError (naming the field) if it can never run."""
+        request.sampling_params.validate()
+        self.scheduler.add_request(
+            Request.from_engine_core_request(request, frozenset(self.spec.eos_token_ids))
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End requests now; their ABORT outputs come with the next step's outputs."""
+        self._pending_outputs.extend(
+            self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+        )
+
+    def abort_requests_in_flight(self, request_ids: list[str]) -> None:
+        """During a forward: remember the aborts and apply them once it returns."""
+        self._aborts_in_flight.extend(request_ids)
+
+    # ---- stepping --------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._pending_outputs)
+
+    def step(self) -> tuple[EngineCoreOutputs, bool]:
+        """One iteration. Returns the outputs and whether a forward ran."""
+        if not self.scheduler.has_requests():
+            return self._collect([]), False
+        scheduler_output = self.scheduler.schedule()
+        future = self.executor.execute_model(scheduler_output)
+        self.overlap_forward(scheduler_output)
+        runner_output = future.result()
+        return self._finish_step(scheduler_output, runner_output), True
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs, bool]:
+        """Fill the queue of in-flight batches first; collect the oldest when it is full or
+        nothing more can be scheduled."""
+        queue = self.batch_queue
+        if len(queue) < self.executor.max_concurrent_batches and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                queue.appendleft((self.executor.execute_model(scheduler_output), scheduler_output))
+                if len(queue) < self.executor.max_concurrent_batches:
+                    return self._collect([]), True
+            elif scheduler_output.freed_request_ids:
+                # Nothing to run, but the runner must still drop freed requests' state.
+                self.executor.execute_model(scheduler_output).result()
+        if not queue:
+            if self.scheduler.has_requests():
+                time.sleep(0.001)  # waiting on something else: release the GIL, do not spin
+            return self._collect([]), False
+        future, scheduler_output = queue.pop()
+        self.overlap_forward(scheduler_output)
+        return self._finish_step(scheduler_output, future.result()), True
+
+    def overlap_forward(self, scheduler_output: SchedulerOutput) -> None:
+        """CPU work done while the forward runs. Subclasses add theirs (taking in new
+        requests in the engine process; grammar bitmasks for structured output)."""
+
+    def _finish_step(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        if self._aborts_in_flight:
+            aborts, self._aborts_in_flight = self._aborts_in_flight, []
+            self.abort_requests(aborts)
+        return self._collect(self.scheduler.update_from_output(scheduler_output, runner_output))
+
+    def _collect(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        if self._pending_outputs:
+            outputs = self._pending_outputs + outputs
+            self._pending_outputs = []
+        stats = self.scheduler.make_stats(
+            num_generation_tokens=sum(len(o.new_token_ids) for o in outputs)
+        )
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _on_executor_failure(self, error: BaseException) -> None:
+        self.executor_failed = error
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise InvalidRequestError(
+            "max_model_len", f"{config.max_model_len} exceeds the model's {limit} positions"
+        )
+    return config.max_model_len
+
+
+def _attention_constraints(config: EngineConfig, spec: ModelSpec) -> tuple[bool, bool]:
+    """Chunked prefill and prefix caching both assume causal attention over the prompt."""
+    if spec.is_causal:
+        return config.enable_chunked_prefill, config.enable_prefix_caching
+    logger.warning(
+        "%s attends both ways over the prompt: chunked prefill and prefix caching are off, "
+        "or the KV cache would be corrupted",
+        spec.architecture,
+    )
+    return False, False
+
+
+def _resolve_max_batched_tokens(config: EngineConfig, max_model_len: int, chunking: bool) -> int:
+    requested = config.max_num_batched_tokens
+    if chunking:
+        return requested or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if requested is not None and requested < max_model_len:
+        raise InvalidRequestError(
+            "max_num_batched_tokens",
+            f"{requested} < max_model_len={max_model_len}: without chunked prefill a whole "
+            "prompt must fit in one step",
+        )
+    return requested or max_model_len

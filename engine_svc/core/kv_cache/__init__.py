@@ -1,0 +1,1 @@
+"""Paged KV-cache bookkeeping: which block holds which tokens. No tensors here."""

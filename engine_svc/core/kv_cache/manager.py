@@ -1,0 +1,139 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, freeing.
+
+The scheduler calls `can_allocate` / `allocate_slots` (check, then act) and `free`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine_svc.core.kv_cache.block_hash import extend_block_hashes
+from engine_svc.core.kv_cache.block_pool import BlockPool, KVBlock
+from engine_svc.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request were already offered to the prefix cache.
+        self._num_published: dict[str, int] = {}
+        # Cumulative prefix-cache counters, in tokens (vLLM's prefix_cache_queries/hits).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest cached prefix of a request that holds no blocks yet."""
+        if not self.enable_caching:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        hits: list[KVBlock] = []
+        # At least one token must be computed to produce logits, so a full hit stops a
+        # block short.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        return self._num_blocks_to_take(request, num_new_tokens, computed_blocks) <= (
+            self.pool.num_free_blocks
+        )
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[int] | None:
+        """Give `request` room for `num_new_tokens` more tokens after its computed ones.
+
+        `computed_blocks` are prefix-cache hits for a request being scheduled for the first
+        time; the request's computed tokens then start after them. Returns the ids of the
+        newly allocated blocks, or None when they do not fit (nothing changes then).
+        """
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+            return None
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if computed_blocks:
+            self.pool.touch(list(computed_blocks))
+            blocks.extend(computed_blocks)
+        num_total = request.num_computed_tokens + num_new_tokens
+        num_total += len(computed_blocks) * self.block_size
+        new_blocks = self.pool.get_new_blocks(self.blocks_needed(num_total) - len(blocks))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_total)
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
+        if blocks:
+            # Tail first: the end of a sequence is the least likely to be shared, so it
+            # should be evicted before the prefix.
+            self.pool.free_blocks(blocks[::-1])
+
+    def discard_uncomputed(self, request: Request, num_computed_tokens: int) -> None:
+        """Unpublish the request's blocks past `num_computed_tokens`: scheduled, never run."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for block in blocks[num_computed_tokens // self.block_size :]:
+            self.pool.uncache_block(block)
+        num_published = self._num_published.get(request.request_id, 0)
+        self._num_published[request.request_id] = min(
+            num_published, num_computed_tokens // self.block_size
+        )
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _num_blocks_to_take(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
+    ) -> int:
+        num_owned = len(self.req_to_blocks.get(request.request_id, ())) + len(computed_blocks)
+        num_total = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        num_needed = self.blocks_needed(num_total) - num_owned
+        # Hits that sit in the free list leave it when touched.
+        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0)
+        return max(num_needed, 0) + num_revived
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # The tokens being computed this step are already known (prompt, or outputs that
+        # were sampled before), so their blocks can be published as soon as scheduled.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        for index in range(start, num_full):
+            self.pool.cache_block(blocks[index], request.block_hashes[index])
+        self._num_published[request.request_id] = num_full

@@ -1,0 +1,71 @@
+"""How many KV blocks fit: the memory budget minus weights and the activation peak."""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1 << 30
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """One request of the maximum length would not fit: refuse to start."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of the maximum length fit at once."""
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens ({self.num_blocks * self.bytes_per_block / GiB:.2f} GiB); "
+            f"max concurrency for {self.max_model_len}-token requests: "
+            f"{self.max_concurrency:.2f}x"
+        )
+
+
+def plan_kv_cache(
+    *,
+    budget_bytes: int,
+    weight_bytes: int,
+    activation_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+) -> KVCachePlan:
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    else:
+        available = budget_bytes - weight_bytes - activation_bytes
+        num_blocks = max(available, 0) // bytes_per_block
+    plan = KVCachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        source = (
+            "num_kv_blocks"
+            if num_blocks_override is not None
+            else (
+                f"a budget of {budget_bytes / GiB:.2f} GiB minus weights "
+                f"({weight_bytes / GiB:.2f} GiB) and activations "
+                f"({activation_bytes / GiB:.2f} GiB)"
+            )
+        )
+        raise KVCacheTooSmallError(
+            f"{source} leaves {num_blocks} KV blocks, but one request of max_model_len="
+            f"{max_model_len} needs {needed}. Raise the KV-cache memory budget or lower "
+            "max_model_len."
+        )
+    return plan

@@ -1,0 +1,103 @@
+"""Per-request state inside the engine core. No tensors here: the scheduler owns it."""
+
+from __future__ import annotations
+
+import enum
+
+from engine_svc.messages import EngineCoreRequest, FinishReason
+from engine_svc.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        # Prompt then outputs, one list, so prefill after preemption is the same code path.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
+        self.num_preemptions = 0
+        # Chained hashes of the full blocks of all_token_ids, filled by the KV-cache manager.
+        self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, eos_token_ids: frozenset[int]
+    ) -> Request:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.arrival_time,
+            request.priority,
+            eos_token_ids,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a token was appended: decide whether the request is done, and why."""
+        params = self.sampling_params
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.finish(FinishReason.STOP)
+                return True
+            if last in params.stop_token_ids:
+                self.finish(FinishReason.STOP, stop_reason=last)
+                return True
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            self.finish(FinishReason.LENGTH)
+            return True
+        if self.num_tokens >= max_model_len:
+            self.finish(FinishReason.LENGTH)
+            return True
+        return False

@@ -1,0 +1,105 @@
+"""Attention over a paged KV cache, in plain torch so it runs on CPU and CUDA alike.
+
+The batch is flattened: decode tokens (one query each) first, then prefill chunks. Each
+layer writes the new K/V into their cache slots, then:
+- decodes run as one batched SDPA over their gathered blocks, masked to each context;
+- a prefill chunk with no cached context attends to its own K/V (causal, or both ways
+  for prefix-LM models); a chunk after cached tokens gathers its context from the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillChunk:
+    query_start: int  # offset in the flattened batch
+    query_len: int
+    context_slots: torch.Tensor | None  # cache slots of all context tokens; None if none cached
+    mask: torch.Tensor | None  # [query_len, context_len] bool, when context_slots is set
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk]
+    is_causal: bool = True
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        decode = slice(0, meta.num_decodes)
+        out[decode] = _decode_attention(q[decode], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        if chunk.context_slots is None:
+            out[rows] = _attend(q[rows], k[rows], v[rows], None, meta.is_causal, scale)
+        else:
+            context_k = k_flat.index_select(0, chunk.context_slots)
+            context_v = v_flat.index_select(0, chunk.context_slots)
+            out[rows] = _attend(q[rows], context_k, context_v, chunk.mask, False, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    assert meta.decode_block_tables is not None and meta.decode_mask is not None
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # [seqs, blocks, block_size, kv_heads, d] -> [seqs, kv_heads, context, d]
+    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    # The query heads of one KV head act as a group of queries: no K/V repetition needed.
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.decode_mask, scale=scale
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, heads, d]
+    k: torch.Tensor,  # [kv_len, kv_heads, d]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=is_causal and mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)

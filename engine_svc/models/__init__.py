@@ -1,0 +1,1 @@
+"""Model definitions written for the engine: flattened batches, paged KV cache."""

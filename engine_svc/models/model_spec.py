@@ -1,0 +1,88 @@
+"""A model's shape, read from its Hugging Face `config.json` (no transformers import)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    is_causal: bool  # False: the prompt attends both ways (prefix-LM)
+    torch_dtype: str
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, before the element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
+    config = json.loads(config_path.read_text())
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    num_heads = config["num_attention_heads"]
+    hidden_size = config["hidden_size"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return ModelSpec(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden_size,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or hidden_size // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_scaling=None if rope_type == "default" else dict(rope),
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+        eos_token_ids=_eos_ids(model_dir, config),
+        is_causal=not config.get("use_bidirectional_attention", False),
+        torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
+    )
+
+
+def _eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json is what `generate` stops on; it wins over config.json.
+    ids: list[int] = []
+    generation_path = model_dir / "generation_config.json"
+    sources = [config]
+    if generation_path.is_file():
+        sources.insert(0, json.loads(generation_path.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is not None:
+            ids = value if isinstance(value, list) else [value]
+            break
+    return tuple(ids)

@@ -1,0 +1,1 @@
+"""Everything that touches tensors: the executor, the model runner and the sampler."""

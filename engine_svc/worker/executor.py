@@ -1,0 +1,57 @@
+"""Runs the model runner's forward off the busy loop's thread and hands back a future.
+
+`execute_model(..., non_block=True)` returns at once, so the core can do the next step's
+CPU work (grammar bitmasks, taking in new requests) while the forward runs; torch
+releases the GIL inside its kernels. A forward that raises calls the failure callback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.models.model_spec import ModelSpec
+from engine_svc.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class UniProcExecutor:
+    """One worker, on a thread of this process. Batches run in submission order."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        max_concurrent_batches: int = 1,
+        fail_after_steps: int | None = None,
+    ) -> None:
+        self.runner = ModelRunner(model_dir, spec, dtype, device, block_size, fail_after_steps)
+        self.max_concurrent_batches = max_concurrent_batches
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        self._failure_callback: Callable[[BaseException], None] | None = None
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        self._failure_callback = callback
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        future = self._pool.submit(self.runner.execute_model, scheduler_output)
+        future.add_done_callback(self._check_failure)
+        return future
+
+    def _check_failure(self, future: Future[ModelRunnerOutput]) -> None:
+        error = future.exception()
+        if error is not None:
+            logger.error("model runner failed: %s", error)
+            if self._failure_callback is not None:
+                self._failure_callback(error)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,191 @@
+"""Owns the model, its KV cache and the sampler; runs one scheduled step at a time."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+
+import torch
+
+from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.messages import TokenLogprobs
+from engine_svc.models.llama import KVCache, LlamaForCausalLM
+from engine_svc.models.loader import load_model
+from engine_svc.models.model_spec import ModelSpec
+from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
+from engine_svc.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # float32 on CPU keeps outputs exact against Hugging Face; the checkpoint's
+        # dtype on an accelerator.
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(spec.torch_dtype, torch.bfloat16)
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        fail_after_steps: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.model: LlamaForCausalLM = load_model(model_dir, spec, dtype, device)
+        self.sampler = Sampler(device)
+        self.kv_caches: list[KVCache] = []
+        self.states: dict[str, RunnerRequestState] = {}
+        self.num_steps = 0
+        self.fail_after_steps = fail_after_steps
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes_per_block(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return self.spec.kv_bytes_per_token * self.block_size * element
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.spec.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        self.num_steps += 1
+        if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
+            raise RuntimeError(f"injected failure after {self.fail_after_steps} steps")
+        inputs = prepare_inputs(
+            scheduler_output.scheduled,
+            self.states,
+            self.block_size,
+            self.spec.is_causal,
+            self.device,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        if not inputs.sample_request_ids:
+            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+        states = [self.states[request_id] for request_id in inputs.sample_request_ids]
+        tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
+        sampled: dict[str, int] = {}
+        sampled_logprobs: dict[str, TokenLogprobs] = {}
+        for request_id, state, token, token_logprobs in zip(
+            inputs.sample_request_ids, states, tokens, logprobs, strict=True
+        ):
+            state.token_ids.append(token)
+            sampled[request_id] = token
+            if token_logprobs is not None:
+                sampled_logprobs[request_id] = token_logprobs
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=sampled_logprobs)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.freed_request_ids:
+            self.states.pop(request_id, None)
+        for entry in scheduler_output.scheduled:
+            new = entry.new_request
+            if new is not None:
+                self.states[entry.request_id] = RunnerRequestState(
+                    sampling_params=new.sampling_params,
+                    num_prompt_tokens=new.num_prompt_tokens,
+                    token_ids=list(new.all_token_ids),
+                    block_ids=list(entry.new_block_ids),
+                )
+            else:
+                self.states[entry.request_id].block_ids.extend(entry.new_block_ids)
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak memory of a forward over the largest step, on a throwaway KV cache."""
+        from engine_svc.layers.attention import AttentionMetadata, PrefillChunk
+
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        saved = self.kv_caches
+        self.allocate_kv_cache(-(-num_tokens // self.block_size) + 1)
+        per_seq = num_tokens // num_seqs
+        chunks = [
+            PrefillChunk(
+                i * per_seq, per_seq if i < num_seqs - 1 else num_tokens - i * per_seq, None, None
+            )
+            for i in range(num_seqs)
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            num_decodes=0,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=chunks,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        before = _memory_mark(self.device)
+        hidden = self.model(
+            ids, torch.arange(num_tokens, device=self.device) % 2, self.kv_caches, meta
+        )
+        logits = self.model.compute_logits(hidden[:num_seqs]).float()
+        torch.softmax(logits, dim=-1)
+        peak = _memory_peak(self.device) - before
+        self.kv_caches = saved
+        return max(peak, 0)
+
+    def estimate_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """The big live tensors of a forward over `num_tokens`: the widest layer's inputs and
+        outputs for every token, plus float32 logits and softmax for the sampled rows."""
+        spec = self.spec
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_token = (
+            3 * spec.hidden_size
+            + 3 * spec.intermediate_size
+            + (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        )
+        return num_tokens * per_token * element + 3 * num_seqs * spec.vocab_size * 4
+
+
+def _memory_mark(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return _max_rss_bytes()
+
+
+def _memory_peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    # Peak resident set growth: an undercount when an earlier peak was higher, which the
+    # analytic floor in the caller covers.
+    return _max_rss_bytes()
+
+
+def _max_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

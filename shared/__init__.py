@@ -1,0 +1,1 @@
+"""Code both services use: configuration helpers, errors, the model store."""

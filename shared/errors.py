@@ -1,0 +1,20 @@
+"""Typed errors that both services map to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a client. `field` names the offending field (INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died or failed; in-flight requests cannot finish (UNAVAILABLE)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many waiting requests (RESOURCE_EXHAUSTED)."""
