@@ -105,6 +105,7 @@ class EngineCore:
             bytes_per_block=runner.kv_bytes_per_block(),
             block_size=self.config.block_size,
             max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
             num_blocks_override=self.config.num_kv_blocks,
         )
         runner.allocate_kv_cache(plan.num_blocks)
@@ -147,6 +148,7 @@ class EngineCore:
     def step(self) -> tuple[EngineCoreOutputs, bool]:
         """One iteration. Returns the outputs and whether a forward ran."""
         if not self.scheduler.has_requests():
+            self._flush_freed_requests()
             return self._collect([]), False
         scheduler_output = self.scheduler.schedule()
         future = self.executor.execute_model(scheduler_output)
@@ -166,14 +168,20 @@ class EngineCore:
                     return self._collect([]), True
             elif scheduler_output.freed_request_ids:
                 # Nothing to run, but the runner must still drop freed requests' state.
-                self.executor.execute_model(scheduler_output).result()
+                self.executor.execute_model(scheduler_output)
         if not queue:
+            self._flush_freed_requests()
             if self.scheduler.has_requests():
                 time.sleep(0.001)  # waiting on something else: release the GIL, do not spin
             return self._collect([]), False
         future, scheduler_output = queue.pop()
         self.overlap_forward(scheduler_output)
         return self._finish_step(scheduler_output, future.result()), True
+
+    def _flush_freed_requests(self) -> None:
+        """Going idle: tell the runner which requests ended, so it holds no stale state."""
+        if self.scheduler.has_freed_requests and not self.batch_queue:
+            self.executor.execute_model(self.scheduler.schedule()).result()
 
     def overlap_forward(self, scheduler_output: SchedulerOutput) -> None:
         """CPU work done while the forward runs. Subclasses add theirs (taking in new
@@ -185,7 +193,10 @@ class EngineCore:
         if self._aborts_in_flight:
             aborts, self._aborts_in_flight = self._aborts_in_flight, []
             self.abort_requests(aborts)
-        return self._collect(self.scheduler.update_from_output(scheduler_output, runner_output))
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not self.scheduler.has_requests():
+            self._flush_freed_requests()
+        return self._collect(outputs)
 
     def _collect(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self._pending_outputs:

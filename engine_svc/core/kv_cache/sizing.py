@@ -44,15 +44,18 @@ def plan_kv_cache(
     bytes_per_block: int,
     block_size: int,
     max_model_len: int,
+    max_num_seqs: int,
     num_blocks_override: int | None = None,
 ) -> KVCachePlan:
+    needed = -(-max_model_len // block_size)
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     else:
         available = budget_bytes - weight_bytes - activation_bytes
-        num_blocks = max(available, 0) // bytes_per_block
+        # More than max_num_seqs requests of the maximum length can ever hold is dead
+        # memory (for small models it would be most of the budget).
+        num_blocks = min(max(available, 0) // bytes_per_block, max_num_seqs * needed)
     plan = KVCachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
-    needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         source = (
             "num_kv_blocks"

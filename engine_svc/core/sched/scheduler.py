@@ -267,6 +267,10 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_freed_requests(self) -> bool:
+        return bool(self._freed_request_ids)
+
     def make_stats(self, num_generation_tokens: int = 0) -> SchedulerStats:
         stats = SchedulerStats(
             num_running_reqs=len(self.running),

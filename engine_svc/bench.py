@@ -1,0 +1,271 @@
+"""Offline benchmark: our engine against Hugging Face `generate` on the same weights and
+prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
+
+    python -m engine_svc.bench --model DIR [--skip-hf]
+
+Prints a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_svc.bench_ceiling import (
+    Ceilings,
+    count_parameters,
+    measure_ceilings,
+    memory_bandwidth_utilization,
+    model_flops_utilization,
+)
+
+SINGLE_PROMPT_LEN = 128
+NUM_TTFT_TRIALS = 3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Runs prompts (token ids) to a fixed number of new tokens; returns the new tokens.
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    single_prompt: list[int]
+    output_len: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.prompts) * self.output_len
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemResult:
+    """One system's figures: start-up, the batched run, and one request on its own."""
+
+    start_s: float
+    batch_s: float
+    single_s: float  # one request to `output_len` new tokens
+    ttft_s: float  # the same request to one new token
+    outputs: list[list[int]]
+
+    def tokens_per_s(self, workload: Workload) -> float:
+        return workload.num_output_tokens / self.batch_s
+
+    def ms_per_token(self, workload: Workload) -> float:
+        return 1000 * self.single_s / workload.output_len
+
+    def decode_ms_per_token(self, workload: Workload) -> float:
+        return 1000 * (self.single_s - self.ttft_s) / max(workload.output_len - 1, 1)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(args.min_len, args.max_len, size=args.num_prompts, endpoint=True)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+    single = rng.integers(0, vocab_size, size=SINGLE_PROMPT_LEN).tolist()
+    return Workload(prompts=prompts, single_prompt=single, output_len=args.output_len)
+
+
+def measure_system(
+    system: Callable[[], AbstractContextManager[GenerateFn]], workload: Workload
+) -> SystemResult:
+    """Start a system, warm it up on a short request, then time the batch and one request."""
+    began = time.perf_counter()
+    with system() as generate:
+        start_s = time.perf_counter() - began
+        generate([workload.single_prompt[:8]], 4)
+        batch_s, outputs = _timed(lambda: generate(workload.prompts, workload.output_len))
+        if [len(o) for o in outputs] != [workload.output_len] * len(workload.prompts):
+            raise RuntimeError("a request stopped before its output length")
+        single = [workload.single_prompt]
+        single_s, _ = _timed(lambda: generate(single, workload.output_len))
+        ttft_s = min(_timed(lambda: generate(single, 1))[0] for _ in range(NUM_TTFT_TRIALS))
+    return SystemResult(start_s, batch_s, single_s, ttft_s, outputs)
+
+
+def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    began = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - began, result
+
+
+@contextlib.contextmanager
+def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[GenerateFn]:
+    from engine_svc import LLM, SamplingParams
+
+    llm = LLM(
+        args.model, dtype=args.dtype, num_threads=num_threads, num_kv_blocks=args.num_kv_blocks
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        # Each timed run starts cold, as Hugging Face does: no prefix-cache hits.
+        llm.client.reset_prefix_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [output.token_ids for output in llm.generate(prompts, params)]
+
+    try:
+        yield generate
+    finally:
+        llm.shutdown()
+
+
+@contextlib.contextmanager
+def hf_system(args: argparse.Namespace) -> Iterator[GenerateFn]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype]).eval()
+    pad_id = model.config.pad_token_id
+    if pad_id is None:
+        pad_id = model.config.eos_token_id
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        input_ids, attention_mask = _left_pad(prompts, pad_id)
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,  # EOS suppressed, as ignore_eos does for us
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        return sequences[:, input_ids.shape[1] :].tolist()
+
+    yield generate
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def summarize(
+    workload: Workload,
+    ours: SystemResult,
+    hf: SystemResult | None,
+    ceilings: Ceilings,
+    num_params: int,
+    bytes_per_param: int,
+) -> dict[str, float | int | str | None]:
+    processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / ours.batch_s
+    decode_s = ours.decode_ms_per_token(workload) / 1000
+    summary: dict[str, float | int | str | None] = {
+        "num_prompts": len(workload.prompts),
+        "prompt_tokens": workload.num_prompt_tokens,
+        "output_len": workload.output_len,
+        "ours_start_s": ours.start_s,
+        "ours_batch_s": ours.batch_s,
+        "ours_tok_s": ours.tokens_per_s(workload),
+        "ours_ms_per_tok": ours.ms_per_token(workload),
+        "ours_decode_ms_per_tok": ours.decode_ms_per_token(workload),
+        "ours_ttft_ms": 1000 * ours.ttft_s,
+        "gemm_gflops": ceilings.flops_per_s / 1e9,
+        "copy_gb_s": ceilings.bytes_per_s / 1e9,
+        "num_params": num_params,
+        "mfu": model_flops_utilization(num_params, processed_per_s, ceilings),
+        "mbu": memory_bandwidth_utilization(num_params * bytes_per_param, decode_s, ceilings),
+    }
+    if hf is not None:
+        summary |= {
+            "hf_start_s": hf.start_s,
+            "hf_batch_s": hf.batch_s,
+            "hf_tok_s": hf.tokens_per_s(workload),
+            "hf_ms_per_tok": hf.ms_per_token(workload),
+            "hf_decode_ms_per_tok": hf.decode_ms_per_token(workload),
+            "hf_ttft_ms": 1000 * hf.ttft_s,
+            "throughput_ratio": ours.tokens_per_s(workload) / hf.tokens_per_s(workload),
+            "latency_ratio": ours.ms_per_token(workload) / hf.ms_per_token(workload),
+            "outputs_equal_hf": sum(a == b for a, b in zip(ours.outputs, hf.outputs, strict=True)),
+        }
+    return summary
+
+
+def print_table(summary: dict[str, float | int | str | None], dtype: str) -> None:
+    def cell(key: str, spec: str) -> str:
+        value = summary.get(key)
+        return "-" if value is None else format(value, spec)
+
+    rows = [
+        ("start-up (s)", "start_s", ".1f"),
+        ("batch wall time (s)", "batch_s", ".1f"),
+        ("batch output tokens/s", "tok_s", ".1f"),
+        ("1 request: ms/output token", "ms_per_tok", ".1f"),
+        ("1 request: decode ms/token", "decode_ms_per_tok", ".1f"),
+        ("1 request: TTFT (ms)", "ttft_ms", ".0f"),
+    ]
+    print(
+        f"\n{summary['num_prompts']} prompts ({summary['prompt_tokens']} prompt tokens) x "
+        f"{summary['output_len']} new tokens, greedy, {dtype}"
+    )
+    print(f"{'':30}{'ours':>10}{'HF':>10}")
+    for label, key, spec in rows:
+        print(f"{label:30}{cell('ours_' + key, spec):>10}{cell('hf_' + key, spec):>10}")
+    print(
+        f"throughput ours/HF: {cell('throughput_ratio', '.2f')}x   "
+        f"ms per token ours/HF: {cell('latency_ratio', '.2f')}x (lower is better)   "
+        f"outputs equal to HF: {cell('outputs_equal_hf', 'd')}/{summary['num_prompts']}"
+    )
+    print(
+        f"ceilings: GEMM {cell('gemm_gflops', '.1f')} GFLOP/s, "
+        f"copy {cell('copy_gb_s', '.1f')} GB/s (read+write)"
+    )
+    print(
+        f"MFU (batch, 2 x {summary['num_params']} params x (prompt+output) tokens/s): "
+        f"{100 * float(summary['mfu'] or 0):.1f}%   "
+        f"MBU (1-request decode, weight bytes/token): {100 * float(summary['mbu'] or 0):.1f}%"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=192)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_len <= args.max_len:
+        parser.error("need 1 <= --min-len <= --max-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    num_threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(num_threads)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    workload = make_workload(args, config["vocab_size"])
+    ceilings = measure_ceilings(_DTYPES[args.dtype])
+    ours = measure_system(lambda: engine_system(args, num_threads), workload)
+    hf = None if args.skip_hf else measure_system(lambda: hf_system(args), workload)
+    bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
+    summary = summarize(workload, ours, hf, ceilings, count_parameters(args.model), bytes_per_param)
+    print_table(summary, args.dtype)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The machine's ceilings for `engine_svc.bench`: GEMM FLOP/s and copy bandwidth, measured
+in the run, and the fractions of them (MFU, MBU) a measured throughput or latency reaches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+GEMM_SIZE = 2048
+GEMM_REPEATS = 8
+COPY_BYTES = 512 * 2**20
+NUM_TRIALS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    flops_per_s: float  # best large float32 GEMM
+    bytes_per_s: float  # best large copy, read plus write bytes
+
+
+def measure_ceilings(dtype: torch.dtype = torch.float32) -> Ceilings:
+    return Ceilings(flops_per_s=measure_gemm_flops(dtype), bytes_per_s=measure_copy_bandwidth())
+
+
+def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE) -> float:
+    """Best of a few trials of `GEMM_REPEATS` square matmuls into a preallocated output."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm the kernels and the pages of `out`
+    best = math.inf
+    for _ in range(NUM_TRIALS):
+        start = time.perf_counter()
+        for _ in range(GEMM_REPEATS):
+            torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * GEMM_REPEATS / best
+
+
+def measure_copy_bandwidth(num_bytes: int = COPY_BYTES) -> float:
+    """Best of a few copies between two preallocated buffers, counting read and write."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = math.inf
+    for _ in range(NUM_TRIALS):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters in the checkpoint, a tied embedding counted once (it is also the LM head)."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings", False))
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if tied and name == "lm_head.weight":
+                    continue
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
+def model_flops_utilization(num_params: int, tokens_per_s: float, ceilings: Ceilings) -> float:
+    """2 FLOPs per parameter per token through the model; attention scores are left out."""
+    return 2 * num_params * tokens_per_s / ceilings.flops_per_s
+
+
+def memory_bandwidth_utilization(
+    weight_bytes: int, seconds_per_token: float, ceilings: Ceilings
+) -> float:
+    """Each decode step of one request reads every weight once; its KV reads are left out."""
+    return weight_bytes / seconds_per_token / ceilings.bytes_per_s
