@@ -15,19 +15,12 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine_svc.bench_ceiling import (
-    Ceilings,
-    count_parameters,
-    measure_ceilings,
-    memory_bandwidth_utilization,
-    model_flops_utilization,
-)
+from engine_svc import bench_ceiling as ceiling
 
 SINGLE_PROMPT_LEN = 128
 NUM_TTFT_TRIALS = 3
@@ -35,6 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Runs prompts (token ids) to a fixed number of new tokens; returns the new tokens.
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+Summary = dict[str, float | int | None]  # the figures, as printed in the JSON line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +75,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def measure_system(
-    system: Callable[[], AbstractContextManager[GenerateFn]], workload: Workload
+    system: Callable[[], contextlib.AbstractContextManager[GenerateFn]], workload: Workload
 ) -> SystemResult:
     """Start a system, warm it up on a short request, then time the batch and one request."""
     began = time.perf_counter()
@@ -162,36 +156,24 @@ def summarize(
     workload: Workload,
     ours: SystemResult,
     hf: SystemResult | None,
-    ceilings: Ceilings,
+    ceilings: ceiling.Ceilings,
     num_params: int,
     bytes_per_param: int,
-) -> dict[str, float | int | str | None]:
+) -> Summary:
     processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / ours.batch_s
     decode_s = ours.decode_ms_per_token(workload) / 1000
-    summary: dict[str, float | int | str | None] = {
+    summary: Summary = {
         "num_prompts": len(workload.prompts),
         "prompt_tokens": workload.num_prompt_tokens,
         "output_len": workload.output_len,
-        "ours_start_s": ours.start_s,
-        "ours_batch_s": ours.batch_s,
-        "ours_tok_s": ours.tokens_per_s(workload),
-        "ours_ms_per_tok": ours.ms_per_token(workload),
-        "ours_decode_ms_per_tok": ours.decode_ms_per_token(workload),
-        "ours_ttft_ms": 1000 * ours.ttft_s,
-        "gemm_gflops": ceilings.flops_per_s / 1e9,
-        "copy_gb_s": ceilings.bytes_per_s / 1e9,
-        "num_params": num_params,
-        "mfu": model_flops_utilization(num_params, processed_per_s, ceilings),
-        "mbu": memory_bandwidth_utilization(num_params * bytes_per_param, decode_s, ceilings),
+        **_figures("ours", ours, workload),
+        **ceiling.utilization_figures(
+            ceilings, num_params, bytes_per_param, processed_per_s, decode_s
+        ),
     }
     if hf is not None:
         summary |= {
-            "hf_start_s": hf.start_s,
-            "hf_batch_s": hf.batch_s,
-            "hf_tok_s": hf.tokens_per_s(workload),
-            "hf_ms_per_tok": hf.ms_per_token(workload),
-            "hf_decode_ms_per_tok": hf.decode_ms_per_token(workload),
-            "hf_ttft_ms": 1000 * hf.ttft_s,
+            **_figures("hf", hf, workload),
             "throughput_ratio": ours.tokens_per_s(workload) / hf.tokens_per_s(workload),
             "latency_ratio": ours.ms_per_token(workload) / hf.ms_per_token(workload),
             "outputs_equal_hf": sum(a == b for a, b in zip(ours.outputs, hf.outputs, strict=True)),
@@ -199,7 +181,18 @@ def summarize(
     return summary
 
 
-def print_table(summary: dict[str, float | int | str | None], dtype: str) -> None:
+def _figures(name: str, result: SystemResult, workload: Workload) -> Summary:
+    return {
+        f"{name}_start_s": result.start_s,
+        f"{name}_batch_s": result.batch_s,
+        f"{name}_tok_s": result.tokens_per_s(workload),
+        f"{name}_ms_per_tok": result.ms_per_token(workload),
+        f"{name}_decode_ms_per_tok": result.decode_ms_per_token(workload),
+        f"{name}_ttft_ms": 1000 * result.ttft_s,
+    }
+
+
+def print_table(summary: Summary, dtype: str) -> None:
     def cell(key: str, spec: str) -> str:
         value = summary.get(key)
         return "-" if value is None else format(value, spec)
@@ -224,15 +217,7 @@ def print_table(summary: dict[str, float | int | str | None], dtype: str) -> Non
         f"ms per token ours/HF: {cell('latency_ratio', '.2f')}x (lower is better)   "
         f"outputs equal to HF: {cell('outputs_equal_hf', 'd')}/{summary['num_prompts']}"
     )
-    print(
-        f"ceilings: GEMM {cell('gemm_gflops', '.1f')} GFLOP/s, "
-        f"copy {cell('copy_gb_s', '.1f')} GB/s (read+write)"
-    )
-    print(
-        f"MFU (batch, 2 x {summary['num_params']} params x (prompt+output) tokens/s): "
-        f"{100 * float(summary['mfu'] or 0):.1f}%   "
-        f"MBU (1-request decode, weight bytes/token): {100 * float(summary['mbu'] or 0):.1f}%"
-    )
+    print(ceiling.describe(summary))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -249,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
+    if args.num_prompts < 1 or args.output_len < 1:
+        parser.error("need --num-prompts and --output-len >= 1")
     return args
 
 
@@ -258,11 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(num_threads)
     config = json.loads((Path(args.model) / "config.json").read_text())
     workload = make_workload(args, config["vocab_size"])
-    ceilings = measure_ceilings(_DTYPES[args.dtype])
+    ceilings = ceiling.measure_ceilings(_DTYPES[args.dtype])
     ours = measure_system(lambda: engine_system(args, num_threads), workload)
     hf = None if args.skip_hf else measure_system(lambda: hf_system(args), workload)
     bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
-    summary = summarize(workload, ours, hf, ceilings, count_parameters(args.model), bytes_per_param)
+    summary = summarize(
+        workload, ours, hf, ceilings, ceiling.count_parameters(args.model), bytes_per_param
+    )
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
 

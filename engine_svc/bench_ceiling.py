@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -81,3 +82,32 @@ def memory_bandwidth_utilization(
 ) -> float:
     """Each decode step of one request reads every weight once; its KV reads are left out."""
     return weight_bytes / seconds_per_token / ceilings.bytes_per_s
+
+
+def utilization_figures(
+    ceilings: Ceilings,
+    num_params: int,
+    bytes_per_param: int,
+    batch_tokens_per_s: float,
+    decode_s_per_token: float,
+) -> dict[str, float | int | None]:
+    """The ceilings, and the fractions of them a batched run and a single decode reach."""
+    weight_bytes = num_params * bytes_per_param
+    return {
+        "gemm_gflops": ceilings.flops_per_s / 1e9,
+        "copy_gb_s": ceilings.bytes_per_s / 1e9,
+        "num_params": num_params,
+        "mfu": model_flops_utilization(num_params, batch_tokens_per_s, ceilings),
+        "mbu": memory_bandwidth_utilization(weight_bytes, decode_s_per_token, ceilings),
+    }
+
+
+def describe(figures: Mapping[str, float | int | None]) -> str:
+    return (
+        f"ceilings: GEMM {figures['gemm_gflops']:.1f} GFLOP/s, "
+        f"copy {figures['copy_gb_s']:.1f} GB/s (read+write)\n"
+        f"MFU of the batch, counting 2 x {figures['num_params']} params x (prompt + output) "
+        f"tokens/s: {100 * (figures['mfu'] or 0):.1f}%\n"
+        f"MBU of 1-request decode, counting weight bytes per token: "
+        f"{100 * (figures['mbu'] or 0):.1f}%"
+    )

@@ -71,10 +71,13 @@ def test_prefix_hits_cover_full_blocks_only() -> None:
 def test_the_same_block_after_a_different_prefix_is_not_a_hit() -> None:
     manager = KVCacheManager(16, BLOCK_SIZE, enable_caching=True)
     prefill(manager, make_request("a", [1, 1, 1, 1, 7, 7, 7, 7, 9]))
+    prefill(manager, make_request("b", [2, 2, 2, 2, 9]))
 
-    other_first_block = make_request("b", [2, 2, 2, 2, 7, 7, 7, 7, 9])
+    # Its first block is b's and its second has a's tokens, but a's came after [1, 1, 1, 1].
+    mixed = make_request("c", [2, 2, 2, 2, 7, 7, 7, 7, 9])
 
-    assert manager.get_computed_blocks(other_first_block) == []
+    hits = manager.get_computed_blocks(mixed)
+    assert [b.block_id for b in hits] == manager.block_ids("b")[:1]
 
 
 def test_a_full_prompt_hit_still_leaves_one_token_to_compute() -> None:

@@ -397,6 +397,57 @@ def test_priority_preempts_the_largest_priority_value(
     assert results["mid"].token_ids == expected_tokens([24], 8)
 
 
+def test_a_preempted_request_resumes_before_later_arrivals(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine(num_kv_blocks=6, max_model_len=24, max_num_seqs=3)
+    engine.add(*preemption_requests(), make_request("d", [40], arrival_time=3.0, max_tokens=2))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.requests["c"].status == RequestStatus.PREEMPTED
+
+    engine.run()
+
+    def first_step(request_id: str, after: int) -> int:
+        ran = [
+            n for n in range(after, len(engine.history)) if request_id in engine.scheduled_ids(n)
+        ]
+        return ran[0]
+
+    assert first_step("c", after=2) < first_step("d", after=0)
+
+
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine(
+        max_model_len=16, num_kv_blocks=4, max_num_batched_tokens=4, policy="priority"
+    )
+    engine.add(make_request("low", [1, 2, 3], priority=5, max_tokens=4))
+    engine.step()
+    engine.add(
+        make_request("high", [10, 11, 12], priority=0, arrival_time=1.0, max_tokens=4),
+        make_request("mid", list(range(30, 38)), priority=1, arrival_time=2.0, max_tokens=4),
+    )
+    engine.step()
+    engine.step()  # all four blocks now in use; "mid" is half-way through its prompt
+
+    # "low" is scheduled first, then preempted when "high" needs a block: its token goes
+    # to "mid".
+    fourth = engine.schedule()
+
+    assert fourth.freed_request_ids == ["low"]
+    assert [(e.request_id, e.num_scheduled_tokens) for e in fourth.scheduled] == [
+        ("high", 1),
+        ("mid", 3),
+    ]
+    engine.update(fourth, engine.runner.execute(fourth))
+    results = engine.run()
+    assert results["low"].token_ids == expected_tokens([3], 4)
+    assert results["high"].token_ids == expected_tokens([12], 4)
+    assert results["mid"].token_ids == expected_tokens([37], 4)
+
+
 def test_a_preempted_request_can_be_aborted(make_engine: Callable[..., FakeEngine]) -> None:
     engine = make_engine(num_kv_blocks=6, max_model_len=24)
     engine.add(*preemption_requests())
