@@ -74,7 +74,7 @@ class LLM:
                 self.client.get_output()
             raise
         for result in results.values():
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            result.text = str(self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return [results[rid] for rid in order]
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
@@ -111,10 +111,10 @@ def _apply(result: RequestOutput, output: EngineCoreOutput) -> None:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # type: ignore[list-item]  # one prompt given as token ids
-    return prompts  # type: ignore[return-value]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 def _as_params_list(

@@ -93,7 +93,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
     # The weights are dequantized to float32 on load; drop the quantizer so the
     # model saves as an ordinary checkpoint.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)

@@ -143,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
 

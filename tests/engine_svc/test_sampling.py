@@ -1,0 +1,113 @@
+"""Sampling through the whole engine: logprobs against HF, seeds, and each parameter's effect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_svc import LLM, SamplingParams
+from engine_svc.worker.sampler import Sampler, SamplingRow
+from tests.engine_svc.engine_helpers import assert_kv_cache_clean, generate_staggered
+from tests.engine_svc.hf_reference import hf_token_logprobs, load_hf_model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), max_model_len=512)
+
+
+def _prompts(count: int, seed: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 49152, size=int(n)).tolist() for n in rng.integers(4, 60, size=count)]
+
+
+@pytest.mark.default_model
+def test_logprobs_match_hf_log_softmax(default_model_dir: Path) -> None:
+    llm = LLM(str(default_model_dir), max_model_len=512, num_kv_blocks=64)
+    prompts = [llm.tokenizer.encode(t) for t in ("The weather today is", "1, 2, 3,", "Dear Sir,")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
+    outputs = llm.generate(prompts, params)
+    hf = load_hf_model(default_model_dir)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        reference = hf_token_logprobs(hf, prompt, out.token_ids)
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        for position, entry in enumerate(out.logprobs):
+            expected = reference[position]
+            assert entry.token_id == out.token_ids[position]
+            assert abs(entry.logprob - expected[entry.token_id].item()) < 1e-3
+            assert entry.rank == 1  # greedy picks the most likely token
+            assert len(entry.top_token_ids) == 5
+            assert entry.top_token_ids[0] == entry.token_id
+            top_expected = expected[entry.top_token_ids]
+            assert np.allclose(entry.top_logprobs, top_expected.tolist(), atol=1e-3)
+    assert_kv_cache_clean(llm)
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(llm: LLM) -> None:
+    target = _prompts(1, seed=1)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([target], seeded)[0].token_ids
+    others = _prompts(7, seed=2)
+    noisy = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True) for _ in others]
+    # The seeded request joins a busy batch at a later step, behind other prompts.
+    mixed = generate_staggered(llm, [*others, target], [*noisy, seeded], [0] * 7 + [3])
+    assert mixed[-1] == alone
+    assert llm.generate([target], seeded)[0].token_ids == alone
+    different = llm.generate([target], SamplingParams(temperature=1.0, seed=99, max_tokens=24))
+    assert different[0].token_ids != alone
+    assert_kv_cache_clean(llm)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
+    prompts = _prompts(4)
+    greedy = [
+        o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    ]
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=8),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=8),
+        SamplingParams(temperature=1.5, min_p=1.0, max_tokens=8),
+    ):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == greedy
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"frequency_penalty": 0.5}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.5}],
+)
+def test_penalties_turn_away_from_seen_tokens(penalty: dict[str, float]) -> None:
+    # Token 5 leads token 6 by a little; having produced 5 before flips the choice.
+    logits = torch.zeros(2, 16)
+    logits[:, 5], logits[:, 6] = 2.2, 2.0
+    plain = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, **penalty)
+    rows = [
+        SamplingRow(plain, output_index=1, prompt_token_ids=[1], output_token_ids=[5]),
+        SamplingRow(penalized, output_index=1, prompt_token_ids=[1], output_token_ids=[5]),
+    ]
+    tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
+    assert tokens == [5, 6]
+
+
+def test_stop_token_ids_min_tokens_and_eos(llm: LLM) -> None:
+    prompt = _prompts(1, seed=4)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at])
+    )[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)
+    # min_tokens holds a stop token back until enough tokens exist.
+    held = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=20, stop_token_ids=[stop_at], min_tokens=first + 2
+        ),
+    )[0]
+    assert len(held.token_ids) > first + 1
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
