@@ -184,8 +184,10 @@ class EngineCore:
             self.executor.execute_model(self.scheduler.schedule()).result()
 
     def overlap_forward(self, scheduler_output: SchedulerOutput) -> None:
-        """CPU work done while the forward runs. Subclasses add theirs (taking in new
-        requests in the engine process; grammar bitmasks for structured output)."""
+        """CPU work for the next step, done while the forward runs (torch releases the GIL).
+        Here: hash the waiting prompts' blocks for the prefix-cache lookup. Subclasses add
+        theirs (taking in new requests in the engine process; grammar bitmasks)."""
+        self.scheduler.prepare_waiting()
 
     def _finish_step(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

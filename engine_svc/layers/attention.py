@@ -74,9 +74,13 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # [seqs, blocks, block_size, kv_heads, d] -> [seqs, kv_heads, context, d]
-    keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    # Gather each sequence's blocks: [seqs * blocks, block_size, kv_heads, d], viewed as
+    # [seqs, kv_heads, context, d]. index_select is far cheaper than advanced indexing.
+    table = meta.decode_block_tables.flatten()
+    context = meta.decode_block_tables.shape[1] * k_cache.shape[1]
+    keys = k_cache.index_select(0, table).view(num_seqs, context, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, table).view(num_seqs, context, num_kv_heads, head_dim)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # The query heads of one KV head act as a group of queries: no K/V repetition needed.
     queries = q.view(num_seqs, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(

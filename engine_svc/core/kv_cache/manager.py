@@ -55,6 +55,10 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def hash_request(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_caching:
             self.num_queried_tokens += num_tokens

@@ -194,6 +194,12 @@ class Scheduler:
             self._num_prompt_tokens_step += num_new
         return entry
 
+    def prepare_waiting(self) -> None:
+        """Compute the block hashes of waiting prompts ahead of their prefix-cache lookup."""
+        if self.config.enable_prefix_caching:
+            for request in self.waiting:
+                self.kv_cache.hash_request(request)
+
     # ---- results ---------------------------------------------------------------------
 
     def update_from_output(
