@@ -123,6 +123,19 @@ def test_blocks_of_a_finished_request_are_still_hits_until_evicted() -> None:
     assert_all_blocks_free(manager)
 
 
+def test_hashing_a_waiting_request_ahead_gives_the_same_hits() -> None:
+    manager = KVCacheManager(16, BLOCK_SIZE, enable_caching=True)
+    prefill(manager, make_request("a", list(range(10))))
+    ahead = make_request("b", list(range(10)))
+
+    manager.hash_request(ahead)
+
+    assert len(ahead.block_hashes) == 2  # full blocks only
+    fresh = make_request("c", list(range(10)))
+    assert manager.get_computed_blocks(ahead) == manager.get_computed_blocks(fresh)
+    assert ahead.block_hashes == fresh.block_hashes
+
+
 def test_no_hits_when_caching_is_off() -> None:
     manager = KVCacheManager(16, BLOCK_SIZE, enable_caching=False)
     prefill(manager, make_request("a", list(range(12))))

@@ -151,8 +151,11 @@ class FakeEngine:
         return scheduler_output
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.schedule()
+        return self.execute(self.schedule())
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.prepare_waiting()  # EngineCore does this while the forward runs
         return self.update(scheduler_output, runner_output)
 
     def update(
@@ -355,7 +358,7 @@ def test_fcfs_preempts_the_latest_arrival_and_outputs_do_not_change(
     assert second.freed_request_ids == ["c"]
     assert [entry.request_id for entry in second.scheduled] == ["a", "b"]
     assert engine.scheduler.num_preemptions == 1
-    engine.update(second, engine.runner.execute(second))
+    engine.execute(second)
     results = engine.run()
     unconstrained = make_engine()
     unconstrained.add(*preemption_requests())
@@ -390,14 +393,14 @@ def test_priority_preempts_the_largest_priority_value(
     assert third.freed_request_ids == [victim]
     assert victim not in [entry.request_id for entry in third.scheduled]
     assert engine.scheduler.requests[victim].status == RequestStatus.PREEMPTED
-    engine.update(third, engine.runner.execute(third))
+    engine.execute(third)
     results = engine.run()
     assert results["low"].token_ids == expected_tokens([5], 8)
     assert results["high"].token_ids == expected_tokens([17], 8)
     assert results["mid"].token_ids == expected_tokens([24], 8)
 
 
-def test_a_preempted_request_resumes_before_later_arrivals(
+def test_fcfs_resumes_a_preempted_request_before_later_arrivals(
     make_engine: Callable[..., FakeEngine],
 ) -> None:
     engine = make_engine(num_kv_blocks=6, max_model_len=24, max_num_seqs=3)
@@ -408,13 +411,15 @@ def test_a_preempted_request_resumes_before_later_arrivals(
 
     engine.run()
 
-    def first_step(request_id: str, after: int) -> int:
-        ran = [
-            n for n in range(after, len(engine.history)) if request_id in engine.scheduled_ids(n)
-        ]
-        return ran[0]
+    def first_run(request_id: str, after: int) -> tuple[int, int]:
+        """(step, place in that step's batch) where `request_id` was first scheduled."""
+        return next(
+            (step, engine.scheduled_ids(step).index(request_id))
+            for step in range(after, len(engine.history))
+            if request_id in engine.scheduled_ids(step)
+        )
 
-    assert first_step("c", after=2) < first_step("d", after=0)
+    assert first_run("c", after=2) < first_run("d", after=0)
 
 
 def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back(
@@ -441,11 +446,29 @@ def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back(
         ("high", 1),
         ("mid", 3),
     ]
-    engine.update(fourth, engine.runner.execute(fourth))
+    engine.execute(fourth)
     results = engine.run()
     assert results["low"].token_ids == expected_tokens([3], 4)
     assert results["high"].token_ids == expected_tokens([12], 4)
     assert results["mid"].token_ids == expected_tokens([37], 4)
+
+
+def test_a_step_that_preempts_admits_no_new_request(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine(num_kv_blocks=6, max_model_len=24, max_num_seqs=3, policy="priority")
+    engine.add(*preemption_requests())
+    engine.step()
+    engine.add(make_request("d", [40], priority=-1, arrival_time=3.0, max_tokens=2))
+
+    second = engine.schedule()  # "c" is preempted; "d" would fit in the block left over
+
+    assert second.freed_request_ids == ["c"]
+    assert [entry.request_id for entry in second.scheduled] == ["a", "b"]
+    engine.execute(second)
+    engine.step()
+    assert engine.scheduled_ids(2) == ["a", "b", "d"]
+    engine.run()
 
 
 def test_a_preempted_request_can_be_aborted(make_engine: Callable[..., FakeEngine]) -> None:

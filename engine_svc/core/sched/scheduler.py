@@ -127,6 +127,9 @@ class Scheduler:
                 # never be computed: unpublish them before they are freed.
                 self.kv_cache.discard_uncomputed(victim, withdrawn.num_computed_tokens)
                 num_reclaimed += withdrawn.num_scheduled_tokens
+                self._num_prompt_tokens_step -= _num_prompt_tokens_in(
+                    victim, withdrawn.num_computed_tokens, withdrawn.num_scheduled_tokens
+                )
             self._preempt(victim)
             if victim is request:
                 return None, num_reclaimed
@@ -190,8 +193,7 @@ class Scheduler:
         )
         # Advanced now, not after the forward, so a pipelined next batch sees it.
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens <= request.num_prompt_tokens:
-            self._num_prompt_tokens_step += num_new
+        self._num_prompt_tokens_step += _num_prompt_tokens_in(request, start, num_new)
         return entry
 
     def prepare_waiting(self) -> None:
@@ -293,3 +295,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
+
+
+def _num_prompt_tokens_in(request: Request, start: int, count: int) -> int:
+    """How many of the tokens [start, start + count) belong to the prompt."""
+    return max(0, min(start + count, request.num_prompt_tokens) - start)
