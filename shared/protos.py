@@ -1,0 +1,19 @@
+"""The one import point for the protobuf code `make proto` generates into gen/ (git-ignored)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+GEN_DIR = Path(__file__).resolve().parent.parent / "gen"
+
+if not (GEN_DIR / "engine" / "v1" / "engine_pb2.py").is_file():
+    raise ImportError(f"no generated protobuf code in {GEN_DIR}: run `make proto`")
+# protoc writes absolute imports (`from engine.v1 import engine_pb2`), so gen/ must be a
+# root on the import path; appended, so it never shadows an installed package.
+if str(GEN_DIR) not in sys.path:
+    sys.path.append(str(GEN_DIR))
+
+from engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+
+__all__ = ["GEN_DIR", "engine_pb2", "engine_pb2_grpc"]
