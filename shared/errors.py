@@ -18,3 +18,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """Too many waiting requests (RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no new work right now: still starting, or draining (UNAVAILABLE)."""
