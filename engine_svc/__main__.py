@@ -1,0 +1,117 @@
+"""`python -m engine_svc`: the engine service (engine.v1.EngineCoreService over gRPC)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from engine_svc.config import EngineConfig
+from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
+from engine_svc.server.serve import ServiceOptions, serve
+from shared.errors import InvalidRequestError
+
+GiB = 1 << 30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
+    add = parser.add_argument
+    add("--model", help="Hugging Face model directory (default: the default model)")
+    add("--served-model-name", help="name GetModelInfo reports (default: the folder's name)")
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=int, default=50061, help="gRPC port (default: %(default)s)")
+    # Metrics arrive in a later issue; the flag is accepted now so deployments need not change.
+    add("--metrics-port", type=int, default=8001, help="Prometheus port (not served yet)")
+    add("--data-parallel-size", type=int, default=1, help="engine processes, one per rank")
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let "
+        "in-flight requests finish (0: abort them at once) (default: %(default)s)",
+    )
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    add("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    add("--max-num-seqs", type=int, default=256, help="requests running at once, per rank")
+    add("--max-num-batched-tokens", type=int, help="tokens per step (default: 2048)")
+    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add(
+        "--kv-cache-memory-gib",
+        type=float,
+        help="memory budget for weights, activations and the KV cache, in GiB "
+        "(default: 90%% of the GPU, or a quarter of RAM up to 4 GiB on CPU)",
+    )
+    add("--gpu-memory-utilization", type=float, default=0.9)
+    add("--num-kv-blocks", type=int, help="KV blocks per rank, overriding the memory budget")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    add(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message accepted or sent (default: %(default)s)",
+    )
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    # Test hook: the forward pass raises after this many steps.
+    add("--fail-after-steps", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    memory = args.kv_cache_memory_gib
+    return EngineConfig(
+        model=model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        fail_after_steps=args.fail_after_steps,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be >= 1")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
+    if args.model is None:
+        from shared.model_store import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    model_dir = str(Path(args.model).resolve())
+    try:
+        config = engine_config(args, model_dir)
+    except InvalidRequestError as error:
+        parser.error(f"--{error.field.replace('_', '-')}: {error.message}")
+    options = ServiceOptions(
+        model_name=args.served_model_name or Path(model_dir).name,
+        host=args.host,
+        port=args.port,
+        data_parallel_size=args.data_parallel_size,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_message_bytes=args.max_message_bytes,
+        log_level=args.log_level,
+    )
+    return asyncio.run(serve(config, options))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

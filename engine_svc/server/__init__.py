@@ -1,0 +1,1 @@
+"""The engine's gRPC face: engine.v1.EngineCoreService over the asyncio engine client."""

@@ -1,0 +1,148 @@
+"""Protobuf <-> engine structs, for the servicer: the only place that knows both."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
+from engine_svc.proc.wire import EngineInfo, EngineLoad
+from engine_svc.sampling_params import SamplingParams
+from shared.errors import InvalidRequestError
+from shared.protos import engine_pb2 as pb
+
+# Bounds on list and string fields, far below the transport's message limit, so an oversized
+# request is refused naming its field rather than by the transport.
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ABORT_IDS = 10_000
+
+_OptionalField = Literal["temperature", "top_p", "seed", "repetition_penalty", "logprobs"]
+_OPTIONAL_SAMPLING_FIELDS: tuple[_OptionalField, ...] = (
+    "temperature",
+    "top_p",
+    "seed",
+    "repetition_penalty",
+    "logprobs",
+)
+_PLAIN_SAMPLING_FIELDS = (
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def to_engine_request(request: pb.GenerateRequest) -> EngineCoreRequest:
+    request_id = request.request_id or uuid.uuid4().hex
+    _check_size("request_id", len(request_id), MAX_REQUEST_ID_CHARS, "characters")
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling_params=to_sampling_params(request.sampling_params),
+        arrival_time=time.monotonic(),
+        priority=request.priority,
+    )
+
+
+def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine's defaults; an unset max_tokens means up to the
+    model length. Out-of-range values raise, naming `sampling_params.<field>`."""
+    _check_size("sampling_params.stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
+    options: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN_SAMPLING_FIELDS}
+    options.update(
+        {name: getattr(params, name) for name in _OPTIONAL_SAMPLING_FIELDS if params.HasField(name)}
+    )
+    options["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else None
+    options["stop_token_ids"] = list(params.stop_token_ids)
+    with proto_field_names():
+        return SamplingParams(**options)
+
+
+@contextlib.contextmanager
+def proto_field_names() -> Iterator[None]:
+    """The engine names sampling fields bare (`max_tokens`); a gRPC client knows them as
+    `sampling_params.max_tokens`."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        if error.field in SamplingParams.__struct_fields__:
+            raise InvalidRequestError(f"sampling_params.{error.field}", error.message) from error
+        raise
+
+
+def to_abort_ids(request: pb.AbortRequest) -> list[str]:
+    _check_size("request_ids", len(request.request_ids), MAX_ABORT_IDS)
+    return list(request.request_ids)
+
+
+def to_generate_response(output: EngineCoreOutput) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.new_token_ids,
+        finish_reason=_FINISH_REASONS[output.finish_reason],
+        num_cached_tokens=output.num_cached_tokens,
+        error=output.error or "",
+    )
+    if output.stop_reason is not None:
+        response.stop_token_id = output.stop_reason
+    if output.new_logprobs:
+        response.logprobs.extend(_to_token_logprobs(lp) for lp in output.new_logprobs)
+    return response
+
+
+def _to_token_logprobs(logprobs: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
+        top_token_ids=logprobs.top_token_ids,
+        top_logprobs=logprobs.top_logprobs,
+    )
+
+
+def to_model_info(model_name: str, infos: list[EngineInfo]) -> pb.GetModelInfoResponse:
+    first = infos[0]
+    return pb.GetModelInfoResponse(
+        model_name=model_name,
+        max_model_len=first.max_model_len,
+        vocab_size=first.vocab_size,
+        eos_token_ids=first.eos_token_ids,
+        block_size=first.block_size,
+        # Ranks size their caches alike; the smallest is what a request can count on.
+        num_kv_blocks=min(info.num_kv_blocks for info in infos),
+        data_parallel_size=len(infos),
+        max_num_seqs=first.max_num_seqs,
+    )
+
+
+def to_loads_response(loads: list[EngineLoad]) -> pb.GetLoadsResponse:
+    return pb.GetLoadsResponse(
+        loads=[
+            pb.RankLoad(
+                rank=rank,
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
+                kv_cache_usage=load.kv_cache_usage,
+                num_free_kv_blocks=load.num_free_kv_blocks,
+            )
+            for rank, load in enumerate(loads)
+        ]
+    )
+
+
+def _check_size(field: str, size: int, limit: int, unit: str = "entries") -> None:
+    if size > limit:
+        raise InvalidRequestError(field, f"{size} {unit} is over the limit of {limit}")

@@ -1,0 +1,70 @@
+"""engine.v1.EngineCoreService: each method converts, delegates to the engine client, and
+converts back; shared.grpc_errors maps every exception to its status code."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import TypeAlias
+
+import grpc
+
+from engine_svc.client.async_client import AsyncMPClient
+from engine_svc.server import convert
+from engine_svc.server.tokenizer_files import read_chunks, tokenizer_files
+from shared.grpc_errors import stream_errors, unary_errors
+from shared.protos import engine_pb2 as pb
+from shared.protos import engine_pb2_grpc
+
+Context: TypeAlias = grpc.aio.ServicerContext
+
+
+class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
+    def __init__(self, client: AsyncMPClient, model_dir: Path, model_name: str) -> None:
+        self.client = client
+        self.model_dir = model_dir
+        self.model_name = model_name
+
+    @stream_errors
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        # If the call is cancelled, closing client.generate() aborts the engine request.
+        outputs = self.client.generate(convert.to_engine_request(request))
+        async with contextlib.aclosing(outputs):
+            with convert.proto_field_names():
+                async for output in outputs:
+                    yield convert.to_generate_response(output)
+
+    @unary_errors
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
+        await self.client.abort_requests_async(convert.to_abort_ids(request))
+        return pb.AbortResponse()
+
+    @unary_errors
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: Context
+    ) -> pb.GetModelInfoResponse:
+        self.client.check_accepting()
+        return convert.to_model_info(self.model_name, self.client.ready_engine_infos)
+
+    @unary_errors
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: Context) -> pb.GetLoadsResponse:
+        return convert.to_loads_response(await self.client.get_loads_async())
+
+    @stream_errors
+    async def GetTokenizer(
+        self, request: pb.GetTokenizerRequest, context: Context
+    ) -> AsyncGenerator[pb.GetTokenizerResponse, None]:
+        self.client.check_accepting()
+        for path in tokenizer_files(self.model_dir):
+            size = path.stat().st_size
+            for chunk in read_chunks(path):
+                yield pb.GetTokenizerResponse(file_name=path.name, data=chunk, file_size=size)
+
+    @unary_errors
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: Context
+    ) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(success=await self.client.reset_prefix_cache_async())

@@ -1,0 +1,171 @@
+"""Run the engine service as a subprocess on a free 127.0.0.1 port, and talk to it.
+
+Every wait is bounded; `stop()` kills the service's whole process group (engines included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.protos import engine_pb2 as pb
+from shared.protos import engine_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServiceProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "engine_svc", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "256",
+            "--log-level", "INFO", *extra_args,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            # A session of its own, so teardown can kill the engines with the server.
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def health(self, timeout_s: float = 2.0) -> int:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status)
+
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"service exited ({self.process.returncode}):\n{self.log()}")
+            try:
+                if self.health(timeout_s=1.0) == SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"service not SERVING within {timeout_s} s:\n{self.log()}")
+
+    def wait_exit(self, timeout_s: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as error:
+            message = f"service still running after {timeout_s} s:\n{self.log()}"
+            raise AssertionError(message) from error
+
+    def engine_pids(self) -> list[int]:
+        """The spawned engine-core processes (not multiprocessing's resource tracker)."""
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(c) for c in children if b"spawn_main" in _cmdline(int(c))]
+
+    def stop(self) -> None:
+        if self.process.poll() is None or _group_alive(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def start_service(model_dir: Path, log_path: Path, *extra_args: str) -> ServiceProcess:
+    service = ServiceProcess(model_dir, log_path, *extra_args)
+    try:
+        service.wait_serving()
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---- asyncio calls ---------------------------------------------------------------------------
+
+
+def run_async(body: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(body(), timeout_s)
+
+    return asyncio.run(bounded())
+
+
+def engine_stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.EngineCoreServiceStub:
+    return engine_pb2_grpc.EngineCoreServiceStub(channel)
+
+
+def generate_request(
+    request_id: str, prompt: list[int], max_tokens: int, **sampling: Any
+) -> pb.GenerateRequest:
+    sampling.setdefault("temperature", 0.0)
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=pb.SamplingParams(max_tokens=max_tokens, **sampling),
+    )
+
+
+class StreamResult:
+    """What one Generate stream gave: its tokens, finish reason, or the status it ended with."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
+        self.num_messages = 0
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.first_message = asyncio.Event()
+        self.ended_at: float | None = None
+
+
+async def consume(stub: engine_pb2_grpc.EngineCoreServiceStub, request: pb.GenerateRequest,
+                  result: StreamResult) -> StreamResult:  # fmt: skip
+    try:
+        async for response in stub.Generate(request):
+            result.token_ids.extend(response.token_ids)
+            result.num_messages += 1
+            result.first_message.set()
+            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                result.finish_reason = response.finish_reason
+    except grpc.aio.AioRpcError as error:
+        result.code, result.details = error.code(), error.details() or ""
+    finally:
+        result.ended_at = time.monotonic()
+    return result

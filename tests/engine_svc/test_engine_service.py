@@ -1,0 +1,237 @@
+"""engine.v1.EngineCoreService against one running service (tiny model, started once):
+streams match the in-process engine, cancellation frees everything within a second, bad
+input is INVALID_ARGUMENT naming the field, and the utility RPCs answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine_svc import LLM, SamplingParams
+from shared.protos import engine_pb2 as pb
+from tests.engine_svc.service_helpers import (
+    SERVING,
+    ServiceProcess,
+    StreamResult,
+    consume,
+    engine_stub,
+    generate_request,
+    run_async,
+    start_service,
+)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    log_path = tmp_path_factory.mktemp("engine-service") / "service.log"
+    running = start_service(tiny_model_dir, log_path)
+    yield running
+    running.stop()
+
+
+def _workload(count: int) -> list[tuple[list[int], int, dict[str, Any]]]:
+    """Prompts of mixed lengths; most greedy, some seeded sampling (batch-independent)."""
+    rng = np.random.default_rng(7)
+    workload = []
+    for i in range(count):
+        prompt = rng.integers(3, 49152, size=int(rng.integers(1, 80))).tolist()
+        max_tokens = int(rng.integers(1, 40))
+        sampling = {"temperature": 0.8, "seed": 1000 + i} if i % 4 == 3 else {"temperature": 0.0}
+        workload.append((prompt, max_tokens, sampling))
+    return workload
+
+
+def test_32_concurrent_streams_match_the_in_process_engine(
+    service: ServiceProcess, tiny_model_dir: Path
+) -> None:
+    workload = _workload(32)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256)
+    try:
+        params = [SamplingParams(max_tokens=n, **sampling) for _, n, sampling in workload]
+        expected = [out.token_ids for out in llm.generate([p for p, _, _ in workload], params)]
+    finally:
+        llm.shutdown()
+
+    async def body() -> list[StreamResult]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            requests = [
+                generate_request(f"match-{i}", prompt, max_tokens, **sampling)
+                for i, (prompt, max_tokens, sampling) in enumerate(workload)
+            ]
+            return await asyncio.gather(*(consume(stub, r, StreamResult()) for r in requests))
+
+    results = run_async(body)
+    assert [r.code for r in results] == [None] * 32
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH) for r in results)
+
+
+def test_cancelling_16_streams_frees_every_request_and_block_within_a_second(
+    service: ServiceProcess,
+) -> None:
+    async def body() -> float:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            results = [StreamResult() for _ in range(16)]
+            tasks = [
+                asyncio.create_task(
+                    consume(stub, generate_request(f"cancel-{i}", [7, 8, 9 + i], 900,
+                                                   ignore_eos=True), result)
+                )
+                for i, result in enumerate(results)
+            ]  # fmt: skip
+            await asyncio.gather(*(r.first_message.wait() for r in results))
+            loads = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads
+            assert loads[0].num_running + loads[0].num_waiting == 16
+            cancelled_at = time.monotonic()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while time.monotonic() - cancelled_at < 1.0:
+                load = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads[0]
+                if (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0):
+                    assert load.num_free_kv_blocks == 256
+                    return time.monotonic() - cancelled_at
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"still busy a second after cancelling: {load}")
+
+    assert run_async(body) < 1.0
+
+
+def _rpc_error(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [5] * 200_000}, "prompt_token_ids"),  # an oversized message
+        ({"prompt_token_ids": [5] * 1000, "max_tokens": 100}, "sampling_params.max_tokens"),
+        ({"temperature": -1.0}, "sampling_params.temperature"),
+        ({"top_p": 0.0}, "sampling_params.top_p"),
+        ({"top_k": -5}, "sampling_params.top_k"),
+        ({"logprobs": 1000}, "sampling_params.logprobs"),
+        ({"repetition_penalty": 0.0}, "sampling_params.repetition_penalty"),
+        ({"min_tokens": 50, "max_tokens": 10}, "sampling_params.min_tokens"),
+        ({"stop_token_ids": list(range(5000))}, "sampling_params.stop_token_ids"),
+        ({"request_id": "x" * 5000}, "request_id"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(
+    service: ServiceProcess, request_fields: dict[str, Any], field: str
+) -> None:
+    fields = {"request_id": "", "prompt_token_ids": [5, 6, 7], "max_tokens": 4, **request_fields}
+    request = generate_request(fields.pop("request_id"), fields.pop("prompt_token_ids"),
+                               fields.pop("max_tokens"), **fields)  # fmt: skip
+    with grpc.insecure_channel(service.address) as channel:
+        error = _rpc_error(lambda: list(engine_stub(channel).Generate(request, timeout=30)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(f"{field}:"), error.details()
+        # The engine keeps serving.
+        good = list(engine_stub(channel).Generate(generate_request("", [5, 6], 2), timeout=30))
+        assert sum(len(r.token_ids) for r in good) == 2
+
+
+def test_a_request_id_already_in_flight_is_refused(service: ServiceProcess) -> None:
+    async def body() -> None:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            first = StreamResult()
+            request = generate_request("twin", [1, 2, 3], 900, ignore_eos=True)
+            task = asyncio.create_task(consume(stub, request, first))
+            await first.first_message.wait()
+            second = await consume(stub, request, StreamResult())
+            assert second.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert second.details.startswith("request_id:")
+            await stub.Abort(pb.AbortRequest(request_ids=["twin"]), timeout=5)
+            await task
+            assert first.finish_reason == pb.FINISH_REASON_ABORT
+
+    run_async(body)
+
+
+def test_abort_by_id_ends_the_stream_and_is_idempotent(service: ServiceProcess) -> None:
+    async def body() -> None:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            result = StreamResult()
+            request = generate_request("abort-me", [4, 5, 6], 900, ignore_eos=True)
+            task = asyncio.create_task(consume(stub, request, result))
+            await result.first_message.wait()
+            ids = ["abort-me", "never-existed"]
+            await stub.Abort(pb.AbortRequest(request_ids=ids), timeout=5)
+            await asyncio.wait_for(task, 5)
+            await stub.Abort(pb.AbortRequest(request_ids=ids), timeout=5)
+            assert result.code is None
+            assert result.finish_reason == pb.FINISH_REASON_ABORT
+            assert 0 < len(result.token_ids) < 900
+
+    run_async(body)
+
+
+def test_logprobs_come_with_each_token(service: ServiceProcess) -> None:
+    with grpc.insecure_channel(service.address) as channel:
+        request = generate_request("lp", [9, 10, 11], 6, logprobs=3)
+        responses = list(engine_stub(channel).Generate(request, timeout=30))
+    for response in responses:
+        assert len(response.logprobs) == len(response.token_ids)
+        for token_id, logprobs in zip(response.token_ids, response.logprobs, strict=True):
+            assert logprobs.token_id == token_id
+            assert len(logprobs.top_token_ids) == len(logprobs.top_logprobs) == 3
+            assert logprobs.logprob <= 0.0
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_model_info_health_and_reflection(service: ServiceProcess, tiny_model_dir: Path) -> None:
+    assert service.health() == SERVING
+    with grpc.insecure_channel(service.address) as channel:
+        info = engine_stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        query = reflection_pb2.ServerReflectionRequest(list_services="")
+        answer = next(iter(reflection.ServerReflectionInfo(iter([query]), timeout=5)))
+    assert (info.model_name, info.max_model_len, info.vocab_size) == (
+        tiny_model_dir.name,
+        1024,
+        49152,
+    )
+    assert (list(info.eos_token_ids), info.block_size, info.num_kv_blocks) == ([2], 16, 256)
+    assert info.data_parallel_size == 1
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"engine.v1.EngineCoreService", "grpc.health.v1.Health"} <= names
+
+
+def test_tokenizer_streams_a_loadable_copy(
+    service: ServiceProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    with grpc.insecure_channel(service.address) as channel:
+        for chunk in engine_stub(channel).GetTokenizer(pb.GetTokenizerRequest(), timeout=30):
+            with (tmp_path / chunk.file_name).open("ab") as file:
+                file.write(chunk.data)
+    assert not (tmp_path / "model.safetensors").exists()
+    text = "Hello, engine service!"
+    copy = AutoTokenizer.from_pretrained(tmp_path)
+    original = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert copy.encode(text) == original.encode(text)
+    assert copy.chat_template == original.chat_template
+
+
+def test_reset_prefix_cache_when_idle(service: ServiceProcess) -> None:
+    with grpc.insecure_channel(service.address) as channel:
+        stub = engine_stub(channel)
+        list(stub.Generate(generate_request("", list(range(3, 60)), 2), timeout=30))
+        assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=5).success

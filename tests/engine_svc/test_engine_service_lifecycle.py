@@ -1,0 +1,176 @@
+"""The engine service's failure and shutdown model, each test on a service of its own: an
+engine killed or failing ends every stream with UNAVAILABLE and the service with a non-zero
+exit; SIGTERM drains (or aborts, with timeout 0) and exits 0; data parallelism spreads load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_svc import LLM, SamplingParams
+from shared.protos import engine_pb2 as pb
+from shared.protos import engine_pb2_grpc
+from tests.engine_svc.service_helpers import (
+    NOT_SERVING,
+    ServiceProcess,
+    StreamResult,
+    consume,
+    engine_stub,
+    generate_request,
+    run_async,
+    start_service,
+)
+
+ServiceFactory = Callable[..., ServiceProcess]
+
+
+@pytest.fixture
+def launch(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServiceFactory]:
+    started: list[ServiceProcess] = []
+
+    def factory(*extra_args: str) -> ServiceProcess:
+        service = start_service(
+            tiny_model_dir, tmp_path / f"service-{len(started)}.log", *extra_args
+        )
+        started.append(service)
+        return service
+
+    yield factory
+    for service in started:
+        service.stop()
+
+
+def _long_requests(count: int, max_tokens: int, prefix: str) -> list[pb.GenerateRequest]:
+    return [
+        generate_request(f"{prefix}-{i}", [11, 12, 13 + i], max_tokens, ignore_eos=True)
+        for i in range(count)
+    ]
+
+
+async def _start_streams(
+    stub: engine_pb2_grpc.EngineCoreServiceStub, requests: list[pb.GenerateRequest]
+) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
+    """Start the streams and wait until each has its first tokens."""
+    results = [StreamResult() for _ in requests]
+    tasks = [
+        asyncio.create_task(consume(stub, request, result))
+        for request, result in zip(requests, results, strict=True)
+    ]
+    await asyncio.gather(*(r.first_message.wait() for r in results))
+    return results, tasks
+
+
+def _assert_fails_fast_and_exits_nonzero(
+    service: ServiceProcess, trigger: Callable[[], None] | None, num_streams: int = 8
+) -> list[StreamResult]:
+    """Start streams, pull the trigger (or let the failure come), then check the ending."""
+
+    async def body() -> tuple[list[StreamResult], float]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            results, tasks = await _start_streams(stub, _long_requests(num_streams, 900, "doomed"))
+            triggered_at = time.monotonic()
+            if trigger is not None:
+                trigger()
+            await asyncio.gather(*tasks)
+            return results, triggered_at
+
+    results, triggered_at = run_async(body)
+    assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE] * num_streams
+    if trigger is not None:
+        assert max(r.ended_at or 0 for r in results) - triggered_at < 2.0
+    assert service.health() == NOT_SERVING
+    assert service.wait_exit(timeout_s=20) != 0
+    return results
+
+
+def test_kill_9_of_the_engine_fails_every_stream_and_the_service(launch: ServiceFactory) -> None:
+    service = launch()
+    (engine_pid,) = service.engine_pids()
+    _assert_fails_fast_and_exits_nonzero(service, lambda: os.kill(engine_pid, signal.SIGKILL))
+
+
+def test_a_forward_error_fails_every_stream_and_the_service(launch: ServiceFactory) -> None:
+    service = launch("--fail-after-steps", "40")
+    results = _assert_fails_fast_and_exits_nonzero(service, trigger=None)
+    assert all("Executor failed" in r.details for r in results), results[0].details
+
+
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
+    launch: ServiceFactory,
+) -> None:
+    service = launch("--shutdown-timeout", "60")
+
+    async def body() -> tuple[list[StreamResult], StreamResult]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            results, tasks = await _start_streams(stub, _long_requests(4, 400, "drain"))
+            service.process.send_signal(signal.SIGTERM)
+            while service.health() != NOT_SERVING:
+                await asyncio.sleep(0.02)
+            late = await consume(stub, generate_request("late", [1, 2, 3], 4), StreamResult())
+            await asyncio.gather(*tasks)
+            return results, late
+
+    results, late = run_async(body)
+    assert late.code == grpc.StatusCode.UNAVAILABLE
+    assert [(r.code, r.finish_reason, len(r.token_ids)) for r in results] == [
+        (None, pb.FINISH_REASON_LENGTH, 400)
+    ] * 4
+    assert service.wait_exit(timeout_s=20) == 0
+
+
+def test_sigterm_with_timeout_0_aborts_in_flight_requests_and_exits_0(
+    launch: ServiceFactory,
+) -> None:
+    service = launch("--shutdown-timeout", "0")
+
+    async def body() -> list[StreamResult]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            results, tasks = await _start_streams(
+                engine_stub(channel), _long_requests(4, 900, "abort")
+            )
+            service.process.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks)
+            return results
+
+    results = run_async(body)
+    assert [(r.code, r.finish_reason) for r in results] == [(None, pb.FINISH_REASON_ABORT)] * 4
+    assert all(len(r.token_ids) < 900 for r in results)
+    assert service.wait_exit(timeout_s=20) == 0
+
+
+def test_data_parallel_2_spreads_20_requests_over_both_ranks(
+    launch: ServiceFactory, tiny_model_dir: Path
+) -> None:
+    service = launch("--data-parallel-size", "2")
+    assert len(service.engine_pids()) == 2
+    requests = _long_requests(20, 200, "dp")
+
+    async def body() -> tuple[list[StreamResult], list[tuple[int, int]]]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            results, tasks = await _start_streams(stub, requests)
+            loads = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads
+            per_rank = [(load.rank, load.num_running + load.num_waiting) for load in loads]
+            await asyncio.gather(*tasks)
+            return results, per_rank
+
+    results, per_rank = run_async(body)
+    assert per_rank == [(0, 10), (1, 10)]
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        expected = [
+            o.token_ids for o in llm.generate([list(r.prompt_token_ids) for r in requests], params)
+        ]
+    finally:
+        llm.shutdown()
+    assert [r.token_ids for r in results] == expected
