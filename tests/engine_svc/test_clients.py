@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine_svc.client.inproc import InprocClient
+from engine_svc.client.interface import EngineCoreClient
 from engine_svc.client.mp_client import SyncMPClient
 from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -36,13 +37,13 @@ def _request(request_id: str, prompt: list[int], max_tokens: int) -> EngineCoreR
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params)
 
 
-def _run(client: SyncMPClient | InprocClient, max_tokens: int) -> dict[str, list[int]]:
+def _run(client: EngineCoreClient, max_tokens: int) -> dict[str, list[int]]:
     for i, prompt in enumerate(PROMPTS):
         client.add_request(_request(str(i), prompt, max_tokens))
     return _collect(client)
 
 
-def _collect(client: SyncMPClient | InprocClient) -> dict[str, list[int]]:
+def _collect(client: EngineCoreClient) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     deadline = time.monotonic() + 60
     while client.has_unfinished_requests():
@@ -54,6 +55,7 @@ def _collect(client: SyncMPClient | InprocClient) -> dict[str, list[int]]:
 
 def test_same_tokens_as_the_in_process_client(client: SyncMPClient, tiny_model_dir: Path) -> None:
     inproc = InprocClient(_config(tiny_model_dir))
+    assert isinstance(inproc, EngineCoreClient) and isinstance(client, EngineCoreClient)
     try:
         expected = _run(inproc, max_tokens=12)
     finally:
