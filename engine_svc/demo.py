@@ -28,8 +28,10 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=2048)
     print(f"engine ready in {time.perf_counter() - started:.1f} s")
     prompts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        str(
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
         )
         for text in PROMPTS
     ]
