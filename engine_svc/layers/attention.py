@@ -20,7 +20,7 @@ class PrefillChunk:
     query_start: int  # offset in the flattened batch
     query_len: int
     context_slots: torch.Tensor | None  # cache slots of all context tokens; None if none cached
-    mask: torch.Tensor | None  # [query_len, context_len] bool, when context_slots is set
+    mask: torch.Tensor | None  # [query_len, context_len] additive (0 / -inf), with context_slots
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,7 +28,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # [num_decodes, 1, 1, max_blocks * block_size], additive (0 / -inf) in the model dtype:
+    # built once per step rather than converted from bool by every layer.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     is_causal: bool = True
 
@@ -48,6 +50,8 @@ def paged_attention(
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
 
+    if not meta.prefills:  # a pure decode step: no scatter into a shared output
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         decode = slice(0, meta.num_decodes)

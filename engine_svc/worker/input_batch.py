@@ -45,6 +45,7 @@ def prepare_inputs(
     block_size: int,
     is_causal: bool,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> ModelInputs:
     """Flatten one step: single-token (decode) requests first, then prefill chunks."""
     decodes = [s for s in scheduled if len(s.token_ids) == 1]
@@ -84,7 +85,7 @@ def prepare_inputs(
             context = torch.arange(start + length)
             chunk.context_slots = _slots(table, context, block_size).to(device)
             query_pos = torch.arange(start, start + length).unsqueeze(1)
-            chunk.mask = (context.unsqueeze(0) <= query_pos).to(device)
+            chunk.mask = _additive_mask(context.unsqueeze(0) <= query_pos, dtype, device)
         chunks.append(chunk)
         if start + length == len(state.token_ids):
             sample_indices.append(query_start + length - 1)
@@ -96,7 +97,8 @@ def prepare_inputs(
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
         lens = torch.tensor(context_lens, device=device)
         keys = torch.arange(width * block_size, device=device)
-        mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        mask = _additive_mask(visible, dtype, device)
 
     attention = AttentionMetadata(
         slot_mapping=torch.cat(slot_pieces).to(device),
@@ -113,6 +115,11 @@ def prepare_inputs(
         sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
     )
+
+
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~visible.to(device), float("-inf"))
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

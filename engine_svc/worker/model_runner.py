@@ -90,6 +90,7 @@ class ModelRunner:
             self.block_size,
             self.spec.is_causal,
             self.device,
+            self.dtype,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         if not inputs.sample_request_ids:
