@@ -25,6 +25,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    # Structured output: at most one of these constrains what may be generated.
+    json_schema: str | None = None  # a JSON Schema, as text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
 
     def __post_init__(self) -> None:
         self.validate()
@@ -32,6 +37,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """The structured-output constraint as (kind, spec), a cache key for its grammar."""
+        if self.json_schema is not None:
+            return ("json_schema", self.json_schema)
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", "\x00".join(self.choice))
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -61,6 +79,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(
                 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
             )
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+            )
+            if value is not None
+        ]
+        _check(
+            len(given) <= 1,
+            given[-1] if given else "",
+            "give at most one of json_schema, json_object, regex, choice",
+        )
+        if self.choice is not None:
+            _check(bool(self.choice) and all(self.choice), "choice", "needs non-empty strings")
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -19,15 +19,23 @@ import torch
 from engine_svc.config import EngineConfig, SchedulerConfig
 from engine_svc.core.kv_cache.sizing import GiB, KVCachePlan, plan_kv_cache
 from engine_svc.core.request import Request
-from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.core.sched.output import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    PendingSample,
+    SchedulerOutput,
+)
 from engine_svc.core.sched.scheduler import Scheduler
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.models.model_spec import ModelSpec, load_model_spec
+from engine_svc.structured.manager import StructuredOutputManager
 from engine_svc.worker.executor import UniProcExecutor
 from engine_svc.worker.model_runner import resolve_device, resolve_dtype
 from shared.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+RunnerResult = ModelRunnerOutput | PendingSample
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
@@ -73,7 +81,10 @@ class EngineCore:
                 eos_token_ids=frozenset(self.spec.eos_token_ids),
             )
         )
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.structured_output = StructuredOutputManager(
+            config.model, self.spec.vocab_size, list(self.spec.eos_token_ids)
+        )
+        self.batch_queue: deque[tuple[Future[RunnerResult], SchedulerOutput]] = deque()
         self.step_fn = (
             self.step if config.max_concurrent_batches == 1 else self.step_with_batch_queue
         )
@@ -125,10 +136,13 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admit a request; raises InvalidRequestError (naming the field) if it can never run."""
-        request.sampling_params.validate()
-        self.scheduler.add_request(
-            Request.from_engine_core_request(request, frozenset(self.spec.eos_token_ids))
-        )
+        params = request.sampling_params
+        params.validate()
+        core_request = Request.from_engine_core_request(request, frozenset(self.spec.eos_token_ids))
+        self.scheduler.validate(core_request)
+        if params.constraint is not None:
+            core_request.structured = self.structured_output.start(params)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """End requests now; their ABORT outputs come with the next step's outputs."""
@@ -152,8 +166,9 @@ class EngineCore:
             return self._collect([]), False
         scheduler_output = self.scheduler.schedule()
         future = self.executor.execute_model(scheduler_output)
+        grammar = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         self.overlap_forward(scheduler_output)
-        runner_output = future.result()
+        runner_output = self._sampled(future.result(), grammar)
         return self._finish_step(scheduler_output, runner_output), True
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs, bool]:
@@ -175,8 +190,16 @@ class EngineCore:
                 time.sleep(0.001)  # waiting on something else: release the GIL, do not spin
             return self._collect([]), False
         future, scheduler_output = queue.pop()
+        grammar = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         self.overlap_forward(scheduler_output)
-        return self._finish_step(scheduler_output, future.result()), True
+        runner_output = self._sampled(future.result(), grammar)
+        return self._finish_step(scheduler_output, runner_output), True
+
+    def _sampled(self, result: RunnerResult, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+        """The forward's tokens; when it held back sampling for a grammar, sample now."""
+        if isinstance(result, PendingSample):
+            return self.executor.sample_tokens(result, grammar).result()
+        return result
 
     def _flush_freed_requests(self) -> None:
         """Going idle: tell the runner which requests ended, so it holds no stale state."""
@@ -201,6 +224,7 @@ class EngineCore:
         return self._collect(outputs)
 
     def _collect(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        self._pending_outputs.extend(self.scheduler.take_failed_outputs())
         if self._pending_outputs:
             outputs = self._pending_outputs + outputs
             self._pending_outputs = []
@@ -216,6 +240,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 from engine_svc.messages import EngineCoreRequest, FinishReason
 from engine_svc.sampling_params import SamplingParams
@@ -13,6 +14,17 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
+
+
+class GrammarState(Protocol):
+    """A constrained request's grammar, as the scheduler sees it (no tensors, no xgrammar)."""
+
+    def is_ready(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+    def accept(self, token_id: int) -> bool: ...
+    @property
+    def is_terminated(self) -> bool: ...
 
 
 class Request:
@@ -41,6 +53,8 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of all_token_ids, filled by the KV-cache manager.
         self.block_hashes: list[bytes] = []
+        self.structured: GrammarState | None = None  # set for structured-output requests
+        self.error: str | None = None
 
     @classmethod
     def from_engine_core_request(

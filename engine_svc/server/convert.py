@@ -11,6 +11,7 @@ from typing import Any, Literal
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from engine_svc.proc.wire import EngineInfo, EngineLoad
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.structured.grammars import check_constraint
 from shared.errors import InvalidRequestError
 from shared.protos import engine_pb2 as pb
 
@@ -67,8 +68,22 @@ def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
     )
     options["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else None
     options["stop_token_ids"] = list(params.stop_token_ids)
+    options.update(_constraint_options(params))
     with proto_field_names():
-        return SamplingParams(**options)
+        sampling_params = SamplingParams(**options)
+        # A bad schema or regex is refused here, in the server process: it never reaches
+        # the engine's busy loop.
+        check_constraint(sampling_params)
+        return sampling_params
+
+
+def _constraint_options(params: pb.SamplingParams) -> dict[str, Any]:
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return {}
+    if kind == "choice":
+        return {"choice": list(params.choice.choices)}
+    return {kind: getattr(params, kind)}
 
 
 @contextlib.contextmanager

@@ -10,10 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.core.sched.output import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    PendingSample,
+    SchedulerOutput,
+)
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.model_runner import ModelRunner
 
@@ -41,12 +47,21 @@ class UniProcExecutor:
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._failure_callback = callback
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> Future[ModelRunnerOutput | PendingSample]:
         future = self._pool.submit(self.runner.execute_model, scheduler_output)
         future.add_done_callback(self._check_failure)
         return future
 
-    def _check_failure(self, future: Future[ModelRunnerOutput]) -> None:
+    def sample_tokens(
+        self, pending: PendingSample, grammar: GrammarBitmask | None
+    ) -> Future[ModelRunnerOutput]:
+        future = self._pool.submit(self.runner.sample_tokens, pending, grammar)
+        future.add_done_callback(self._check_failure)
+        return future
+
+    def _check_failure(self, future: Future[Any]) -> None:
         error = future.exception()
         if error is not None:
             logger.error("model runner failed: %s", error)

@@ -8,7 +8,12 @@ import sys
 
 import torch
 
-from engine_svc.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.core.sched.output import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    PendingSample,
+    SchedulerOutput,
+)
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
@@ -77,7 +82,9 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingSample:
+        """Run the forward. When a constrained request samples this step, return the logits
+        as a PendingSample: sampling waits for the grammar bitmask (`sample_tokens`)."""
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
@@ -96,12 +103,24 @@ class ModelRunner:
         if not inputs.sample_request_ids:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        states = [self.states[request_id] for request_id in inputs.sample_request_ids]
+        pending = PendingSample(logits, inputs.sample_request_ids)
+        if any(self.states[r].sampling_params.constraint for r in pending.request_ids):
+            return pending
+        return self.sample_tokens(pending, None)
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, pending: PendingSample, grammar: GrammarBitmask | None
+    ) -> ModelRunnerOutput:
+        logits = pending.logits
+        if grammar is not None:
+            logits = _apply_grammar(logits, pending.request_ids, grammar)
+        states = [self.states[request_id] for request_id in pending.request_ids]
         tokens, logprobs = self.sampler(logits, [s.sampling_row() for s in states])
         sampled: dict[str, int] = {}
         sampled_logprobs: dict[str, TokenLogprobs] = {}
         for request_id, state, token, token_logprobs in zip(
-            inputs.sample_request_ids, states, tokens, logprobs, strict=True
+            pending.request_ids, states, tokens, logprobs, strict=True
         ):
             state.token_ids.append(token)
             sampled[request_id] = token
@@ -168,6 +187,23 @@ class ModelRunner:
             + (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
         )
         return num_tokens * per_token * element + 3 * num_seqs * spec.vocab_size * 4
+
+
+def _apply_grammar(
+    logits: torch.Tensor, request_ids: list[str], grammar: GrammarBitmask
+) -> torch.Tensor:
+    """Forbidden tokens get -inf; the raw logits stay untouched for logprobs."""
+    import xgrammar as xgr
+
+    rows = {request_id: row for row, request_id in enumerate(request_ids)}
+    indices = [rows[request_id] for request_id in grammar.request_ids]
+    masked = logits.float().clone()
+    # xgrammar pairs bitmask row i with logits row i: lay the grammar rows out that way
+    # (-1: every bit set, nothing masked) and mask only the constrained rows.
+    bitmask = torch.full((len(request_ids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+    bitmask[indices] = grammar.bitmask
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), indices=indices)
+    return masked
 
 
 def _memory_mark(device: torch.device) -> int:

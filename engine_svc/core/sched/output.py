@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
@@ -52,3 +53,19 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+
+
+@dataclasses.dataclass(slots=True)
+class PendingSample:
+    """A forward's logits whose sampling waits for a grammar bitmask (structured output)."""
+
+    logits: Any  # tensor [rows, vocab]; typed loosely: the scheduler does not import torch
+    request_ids: list[str]
+
+
+@dataclasses.dataclass(slots=True)
+class GrammarBitmask:
+    """Allowed tokens for the constrained requests that sample this step."""
+
+    request_ids: list[str]  # row i of the bitmask belongs to request_ids[i]
+    bitmask: Any  # int32 tensor [rows, ceil(vocab / 32)]

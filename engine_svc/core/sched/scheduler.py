@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self._freed_request_ids: list[str] = []
+        self._failed_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self._num_prompt_tokens_step = 0
 
@@ -151,8 +152,18 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         config = self.config
+        waiting_for_grammar: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
+            if request.structured is not None:
+                if not request.structured.is_ready():
+                    # Its grammar is still compiling: let the requests behind it run.
+                    waiting_for_grammar.append(self.waiting.pop())
+                    continue
+                if request.structured.error is not None:
+                    self.waiting.pop()
+                    self._fail(request, request.structured.error)
+                    continue
             hits = self.kv_cache.get_computed_blocks(request)
             num_hit_tokens = len(hits) * config.block_size
             num_new = request.num_tokens - num_hit_tokens
@@ -179,6 +190,8 @@ class Scheduler:
             )
             scheduled[request.request_id] = entry
             budget -= num_new
+        for request in reversed(waiting_for_grammar):
+            self.waiting.add_preempted(request)  # back at the front, in their order
         return budget
 
     def _schedule_tokens(
@@ -216,6 +229,8 @@ class Scheduler:
                 continue  # a prefill chunk short of the end, or aborted while in flight
             request.append_output_token(token_id)
             finished = request.check_stop(max_model_len)
+            if request.structured is not None and not finished:
+                finished = self._advance_grammar(request, token_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -228,6 +243,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=request.error,
                 )
             )
             if finished:
@@ -235,6 +251,37 @@ class Scheduler:
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that schedule() ended with an error (their grammar failed)."""
+        outputs, self._failed_outputs = self._failed_outputs, []
+        return outputs
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feed the sampled token to the request's grammar; True if that ends the request."""
+        assert request.structured is not None
+        if not request.structured.accept(token_id):
+            request.error = f"token {token_id} violates the request's grammar"
+            request.finish(FinishReason.ERROR)
+            return True
+        if request.structured.is_terminated:
+            request.finish(FinishReason.STOP)
+            return True
+        return False
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End a waiting request that can never run; its output goes with the next results."""
+        request.error = error
+        request.finish(FinishReason.ERROR)
+        self._free_request(request)
+        self._failed_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=error,
+            )
+        )
 
     def finish_requests(
         self, request_ids: list[str], reason: FinishReason

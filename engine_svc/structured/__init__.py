@@ -1,0 +1,1 @@
+"""Structured output: grammars compiled with xgrammar, token bitmasks applied before sampling."""

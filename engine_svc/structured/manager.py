@@ -1,0 +1,51 @@
+"""Per step: the token bitmask of the constrained requests about to sample, built while the
+forward runs (the seed's `get_grammar_bitmask`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_svc.core.request import Request
+from engine_svc.core.sched.output import GrammarBitmask, SchedulerOutput
+from engine_svc.sampling_params import SamplingParams
+from engine_svc.structured.compiler import GrammarCompiler
+from engine_svc.structured.request_state import StructuredRequestState
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, stop_token_ids)
+        self._bitmask: Any = None
+
+    def start(self, params: SamplingParams) -> StructuredRequestState:
+        return StructuredRequestState(self.compiler.compile(params))
+
+    def grammar_bitmask(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> GrammarBitmask | None:
+        rows: list[tuple[str, StructuredRequestState]] = []
+        for entry in scheduler_output.scheduled:
+            request = requests.get(entry.request_id)
+            if request is None or not isinstance(request.structured, StructuredRequestState):
+                continue
+            # Only a chunk that reaches the end of the known tokens samples.
+            if entry.num_computed_tokens + len(entry.token_ids) == request.num_tokens:
+                rows.append((entry.request_id, request.structured))
+        if not rows:
+            return None
+        bitmask = self._bitmask_rows(len(rows))
+        for row, (_, state) in enumerate(rows):
+            state.fill_bitmask(bitmask, row)
+        return GrammarBitmask([request_id for request_id, _ in rows], bitmask)
+
+    def _bitmask_rows(self, count: int) -> Any:
+        import xgrammar as xgr
+
+        # Reused across steps: allocating per step would cost more than filling.
+        if self._bitmask is None or self._bitmask.shape[0] < count:
+            self._bitmask = xgr.allocate_token_bitmask(max(count, 64), self.vocab_size)
+        return self._bitmask[:count]
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

@@ -1,0 +1,135 @@
+"""Structured output: sampled text always obeys its JSON schema, regex or choice, and the
+unconstrained requests of the same batch are untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from engine_svc import LLM, SamplingParams
+from engine_svc.server.convert import to_sampling_params
+from shared.errors import InvalidRequestError
+from shared.protos import engine_pb2 as pb
+from tests.engine_svc.engine_helpers import assert_kv_cache_clean
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+CHOICES = ["apple", "banana", "cherry pie", "durian"]
+
+
+@pytest.fixture(scope="module")
+def default_llm(default_model_dir: Path) -> LLM:
+    return LLM(str(default_model_dir), max_model_len=1024, num_kv_blocks=512)
+
+
+def _chat(llm: LLM, text: str) -> str:
+    messages = [{"role": "user", "content": text}]
+    return str(
+        llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    )
+
+
+@pytest.mark.default_model
+def test_json_schema_outputs_always_validate(default_llm: LLM) -> None:
+    prompt = _chat(default_llm, "Describe a person as JSON with a name, an age and a color.")
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=160, json_schema=json.dumps(PERSON_SCHEMA)
+        )
+        for i in range(20)
+    ]
+    for output in default_llm.generate([prompt] * 20, params):
+        assert output.finish_reason == "stop", output.text
+        jsonschema.validate(json.loads(output.text), PERSON_SCHEMA)
+    assert_kv_cache_clean(default_llm)
+
+
+@pytest.mark.default_model
+def test_regex_and_choice_always_match(default_llm: LLM) -> None:
+    prompt = _chat(default_llm, "Give me a phone number, then your favourite fruit.")
+    phones = default_llm.generate(
+        [prompt] * 10,
+        [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=20, regex="[0-9]{3}-[0-9]{4}")
+            for i in range(10)
+        ],
+    )
+    assert all(re.fullmatch(r"[0-9]{3}-[0-9]{4}", o.text) for o in phones), [o.text for o in phones]
+    fruits = default_llm.generate(
+        [prompt] * 10,
+        [SamplingParams(temperature=1.0, seed=i, max_tokens=20, choice=CHOICES) for i in range(10)],
+    )
+    assert all(o.text in CHOICES and o.finish_reason == "stop" for o in fruits)
+    objects = default_llm.generate(
+        [prompt] * 3, SamplingParams(temperature=1.0, max_tokens=60, json_object=True)
+    )
+    for output in objects:
+        if output.finish_reason == "stop":
+            assert isinstance(json.loads(output.text), dict)
+    assert_kv_cache_clean(default_llm)
+
+
+def test_constraints_leave_unconstrained_requests_alone(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=512)
+    prompts = [llm.tokenizer.encode(f"prompt number {i} about things") for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [o.token_ids for o in llm.generate(prompts, greedy)]
+    constrained = [
+        SamplingParams(temperature=0.0, max_tokens=24, regex="[a-z]{5,30}"),
+        SamplingParams(temperature=0.7, max_tokens=24, json_schema=json.dumps(PERSON_SCHEMA)),
+        SamplingParams(temperature=0.0, max_tokens=24, choice=CHOICES),
+    ]
+    mixed = llm.generate(prompts + prompts[:3], [greedy] * 6 + constrained)
+    assert [o.token_ids for o in mixed[:6]] == alone
+    assert re.fullmatch("[a-z]{5,30}", mixed[6].text)
+    assert mixed[8].text in CHOICES
+    assert_kv_cache_clean(llm)
+
+
+def test_each_grammar_compiles_once(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=8, choice=CHOICES)
+    llm.generate(["a", "b", "c"], params)
+    llm.generate(["d"], params)
+    assert len(llm.engine_core.structured_output.compiler._cache) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+        ({"regex": "[0-9"}, "regex"),
+        ({"choice": []}, "choice"),
+        ({"regex": "a", "json_object": True}, "regex"),
+    ],
+)
+def test_invalid_constraints_name_their_field(
+    tiny_model_dir: Path, options: dict, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as excinfo:
+        from engine_svc.structured.grammars import check_constraint
+
+        check_constraint(SamplingParams(**options))
+    assert excinfo.value.field == field
+
+
+def test_service_refuses_bad_grammars_before_the_engine() -> None:
+    bad = pb.SamplingParams(regex="(unclosed")
+    with pytest.raises(InvalidRequestError) as excinfo:
+        to_sampling_params(bad)
+    assert excinfo.value.field == "sampling_params.regex"
+    good = to_sampling_params(pb.SamplingParams(choice=pb.ChoiceConstraint(choices=CHOICES)))
+    assert good.choice == CHOICES
