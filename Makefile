@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.generated
+TOOLS_VENV := .venv-tools
+TOOLS_STAMP := $(TOOLS_VENV)/.installed
+CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install model proto test run run-engine bench lint clean
+.PHONY: install tools model proto test k8s-check run run-engine bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +18,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# checkov, in a venv of its own: it pins older networkx and packaging than torch's stack uses.
+$(TOOLS_STAMP): $(CHECKOV_LOCK)
+	test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet -r $(CHECKOV_LOCK)
+	touch $(TOOLS_STAMP)
+
+tools: $(TOOLS_STAMP)
 
 # Python code (and mypy stubs) for every .proto under protos/, into the git-ignored gen/.
 # shared/protos.py is the one import point for it.
@@ -39,10 +51,16 @@ lint: $(GEN_STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy engine_svc frontend_svc shared
 
-test: $(GEN_STAMP)
+test: $(GEN_STAMP) $(TOOLS_STAMP)
 	@$(PY) -m shared.model_store >/dev/null
 	$(MAKE) lint
 	$(PY) -m pytest -q -ra
+
+# The Kubernetes manifests, Dockerfiles and dashboard (kubectl kustomize, kubernetes-validate,
+# checkov, yamllint, hadolint), and buf breaking against the previous commit; make test runs
+# these too.
+k8s-check: $(GEN_STAMP) $(TOOLS_STAMP)
+	$(PY) -m pytest -q tests/k8s tests/protos
 
 run: $(GEN_STAMP)
 	$(PY) -m engine_svc.demo --model "$$($(PY) -m shared.model_store | tail -n 1)"
@@ -56,4 +74,4 @@ bench: $(GEN_STAMP)
 	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)"
 
 clean:
-	rm -rf $(VENV) gen .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS_VENV) gen .pytest_cache .mypy_cache .ruff_cache
