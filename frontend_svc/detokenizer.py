@@ -1,0 +1,58 @@
+"""Incremental detokenization: text deltas, token by token, that never end inside a UTF-8
+character and whose concatenation equals decoding the whole output at once.
+
+Decoding one token at a time is wrong twice over: a character may span several byte-level
+tokens, and decoders treat the start of a sequence specially (SentencePiece drops a leading
+space). So each step decodes a small window twice, with and without the new tokens, and
+emits the difference; the window starts at the last point where text was emitted, which is
+on a character boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoders write for bytes that are not (yet) valid UTF-8
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """One choice's output text. `add` returns the text that became final with a token;
+    `flush` returns what is left once the output is complete."""
+
+    def __init__(self, decoder: Decoder, skip_special_tokens: bool = True) -> None:
+        self.decoder = decoder
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        # token_ids[prefix_offset:read_offset] decode to the text emitted last; tokens from
+        # read_offset on have not been emitted yet.
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        prefix_text, new_text = self._decode_window()
+        # A trailing replacement character may be the first bytes of a character the next
+        # token completes: hold it back until then (or until flush).
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The held-back rest, as decoding the whole output gives it (replacement characters
+        included when the output really ends inside a character)."""
+        prefix_text, new_text = self._decode_window()
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        skip = self.skip_special_tokens
+        window = self.token_ids[self.prefix_offset :]
+        prefix_text = self.decoder.decode(window[: self.read_offset - self.prefix_offset], skip)
+        return prefix_text, self.decoder.decode(window, skip)

@@ -1,0 +1,81 @@
+"""Incremental detokenization: joined deltas equal decoding the whole output, and no delta
+ever ends inside a character, whatever the tokens (random ones included)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from frontend_svc.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49152
+SPECIAL_IDS = list(range(0, 20))  # <|endoftext|>, <|im_start|>, <|im_end|>, <file_sep>, ...
+
+
+def stream(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    deltas = [detokenizer.add(token_id) for token_id in token_ids]
+    return [*deltas, detokenizer.flush()]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! How are you today?",
+        "Emoji: 😀🎉👍🏽 and flags 🇫🇷🇯🇵, family 👨‍👩‍👧",
+        "中文测试：你好，世界。日本語のテキスト、한국어 텍스트",  # noqa: RUF001
+        "Mixed: café naïve Ωmega — “quotes” … tabs\tand\nnewlines  double  spaces",
+        "def f(x):\n    return {'a': [1, 2, 3]}  # code",
+    ],
+)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_round_trips_with_no_broken_characters(
+    tokenizer: Tokenizer, text: str, skip_special_tokens: bool
+) -> None:
+    deltas = stream(tokenizer, tokenizer.encode(text), skip_special_tokens)
+    assert "".join(deltas) == text
+    assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+
+
+def test_a_character_split_over_tokens_is_held_until_complete(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("世")
+    assert len(token_ids) > 1  # byte-level pieces
+    deltas = stream(tokenizer, token_ids, True)
+    assert deltas[:-2] == [""] * (len(token_ids) - 1)
+    assert deltas[-2:] == ["世", ""]
+
+
+def test_special_tokens_follow_skip_special_tokens(tokenizer: Tokenizer) -> None:
+    token_ids = [*tokenizer.encode("Hi"), 2]  # 2 is <|im_end|>, the EOS
+    assert "".join(stream(tokenizer, token_ids, True)) == "Hi"
+    assert "".join(stream(tokenizer, token_ids, False)) == "Hi<|im_end|>"
+
+
+def test_an_output_ending_inside_a_character_flushes_what_decode_gives(
+    tokenizer: Tokenizer,
+) -> None:
+    token_ids = tokenizer.encode("a世")[:-1]
+    deltas = stream(tokenizer, token_ids, True)
+    assert "".join(deltas) == tokenizer.decode(token_ids, True)
+    assert deltas[-1].endswith(REPLACEMENT_CHAR)  # only the flush may
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_joined_deltas_equal_decoding_the_whole_output(
+    tokenizer: Tokenizer, byte_token_ids: list[int], data: st.DataObject, skip_special_tokens: bool
+) -> None:
+    # Byte pieces of multi-byte characters and special tokens are the hard cases: draw them
+    # often, mixed with anything from the vocabulary.
+    token = st.one_of(
+        st.integers(0, VOCAB_SIZE - 1),
+        st.sampled_from(byte_token_ids),
+        st.sampled_from(SPECIAL_IDS),
+    )
+    token_ids = data.draw(st.lists(token, max_size=40))
+    deltas = stream(tokenizer, token_ids, skip_special_tokens)
+    assert "".join(deltas) == tokenizer.decode(token_ids, skip_special_tokens)
+    # Mid-stream, never a partial character at the end of a delta.
+    assert not any(delta.endswith(REPLACEMENT_CHAR) for delta in deltas[:-1])
