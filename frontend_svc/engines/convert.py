@@ -1,0 +1,94 @@
+"""Frontend messages <-> engine.v1 protobuf: the only module that knows both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from frontend_svc.messages import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    ModelInfo,
+    SamplingOptions,
+    TokenLogprobs,
+)
+from shared.protos import engine_pb2 as pb
+
+# Set only when given, so unset ones keep the engine's defaults.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_PLAIN_FIELDS = (
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """An engine's queue, summed over its data-parallel ranks."""
+
+    num_running: int
+    num_waiting: int
+    num_ranks: int
+
+
+def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=to_sampling_params(request.sampling),
+        priority=request.priority,
+    )
+
+
+def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
+    params = pb.SamplingParams(stop_token_ids=sampling.stop_token_ids)
+    for name in _PLAIN_FIELDS:
+        setattr(params, name, getattr(sampling, name))
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(sampling, name)
+        if value is not None:
+            setattr(params, name, value)
+    return params
+
+
+def to_engine_output(response: pb.GenerateResponse) -> EngineOutput:
+    reason = response.finish_reason
+    return EngineOutput(
+        new_token_ids=tuple(response.token_ids),
+        new_logprobs=tuple(_to_token_logprobs(lp) for lp in response.logprobs),
+        finish_reason=None if reason == pb.FINISH_REASON_UNSPECIFIED else FinishReason(reason),
+        stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
+        num_cached_tokens=response.num_cached_tokens,
+        error=response.error,
+    )
+
+
+def _to_token_logprobs(logprobs: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
+        top_token_ids=tuple(logprobs.top_token_ids),
+        top_logprobs=tuple(logprobs.top_logprobs),
+    )
+
+
+def to_model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model_name=response.model_name,
+        max_model_len=response.max_model_len,
+        vocab_size=response.vocab_size,
+        eos_token_ids=tuple(response.eos_token_ids),
+    )
+
+
+def to_engine_load(response: pb.GetLoadsResponse) -> EngineLoad:
+    return EngineLoad(
+        num_running=sum(rank.num_running for rank in response.loads),
+        num_waiting=sum(rank.num_waiting for rank in response.loads),
+        num_ranks=max(1, len(response.loads)),
+    )

@@ -1,0 +1,132 @@
+"""One engine address: its channel and stub, whether it serves (grpc.health.v1 Watch), what
+it serves (GetModelInfo) and how loaded it is (GetLoads, plus this frontend's own count)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from frontend_svc.engines.convert import EngineLoad, to_engine_load, to_model_info
+from frontend_svc.messages import ModelInfo
+from shared.protos import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's default backoff grows to two minutes: an engine that restarts would sit unused
+    # long after it is back.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class EngineEndpoint:
+    def __init__(self, address: str, poll_interval_s: float, on_change: Callable[[], None]) -> None:
+        self.address = address
+        self.poll_interval_s = poll_interval_s
+        self.on_change = on_change
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.is_serving = False
+        self.suspended_until = 0.0
+        self.model_info: ModelInfo | None = None
+        self.reported_load: EngineLoad | None = None
+        self.num_in_flight = 0  # this frontend's engine calls on it
+        self.num_awaiting_output = 0  # of which have had no response yet
+        self.num_picked = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._watch_health(), name=f"health {self.address}"),
+            asyncio.create_task(self._poll_loads(), name=f"loads {self.address}"),
+        ]
+
+    async def close(self, grace_s: float | None = None) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channel.close(grace_s)
+
+    @property
+    def is_available(self) -> bool:
+        return self.is_serving and time.monotonic() >= self.suspended_until
+
+    @property
+    def load_score(self) -> float:
+        """Requests per rank. The engine's report counts every frontend's requests but lags
+        by a poll; our own count is current: the larger is the better estimate."""
+        reported = self.reported_load
+        if reported is None:
+            return float(self.num_in_flight)
+        total = max(self.num_in_flight, reported.num_running + reported.num_waiting)
+        return total / reported.num_ranks
+
+    @property
+    def num_reported_waiting(self) -> int:
+        return 0 if self.reported_load is None else self.reported_load.num_waiting
+
+    def suspend(self, seconds: float) -> None:
+        """Take the engine out after a failed call, until the next health report or for
+        `seconds` (a health watch that still says SERVING would never put it back)."""
+        self.suspended_until = time.monotonic() + seconds
+        self.on_change()
+
+    @contextlib.contextmanager
+    def track_call(self) -> Iterator[None]:
+        self.num_in_flight += 1
+        self.num_picked += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+
+    async def _watch_health(self) -> None:
+        request = health_pb2.HealthCheckRequest(service="")
+        while True:
+            try:
+                async for response in self.health_stub.Watch(request):
+                    serving = response.status == SERVING
+                    if serving and self.model_info is None:
+                        self.model_info = to_model_info(
+                            await self.stub.GetModelInfo(
+                                engine_pb2.GetModelInfoRequest(), timeout=self.poll_interval_s * 4
+                            )
+                        )
+                    self._set_serving(serving)
+            except grpc.aio.AioRpcError as error:
+                logger.debug("health watch on %s: %s", self.address, error.code().name)
+            self._set_serving(False)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll_loads(self) -> None:
+        while True:
+            if self.is_serving:
+                try:
+                    response = await self.stub.GetLoads(
+                        engine_pb2.GetLoadsRequest(), timeout=self.poll_interval_s * 4
+                    )
+                    self.reported_load = to_engine_load(response)
+                except grpc.aio.AioRpcError:
+                    self.reported_load = None
+            await asyncio.sleep(self.poll_interval_s)
+
+    def _set_serving(self, serving: bool) -> None:
+        if serving:
+            self.suspended_until = 0.0
+        if serving != self.is_serving:
+            logger.info("engine %s is %s", self.address, "serving" if serving else "not serving")
+            self.is_serving = serving
+            self.on_change()

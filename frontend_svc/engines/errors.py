@@ -1,0 +1,52 @@
+"""An engine call's gRPC status, as the frontend's typed errors (shared.grpc_errors then maps
+those to the client's status), and whether another engine may succeed where this one failed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+
+from shared.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
+
+# The engine could not take or finish the request (gone, starting, draining, full); the
+# request itself is fine, so another engine may serve it.
+_ENGINE_TROUBLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,  # cancelled by the engine's side: it is shutting down
+    grpc.StatusCode.ABORTED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCallError:
+    error: Exception
+    is_retriable: bool  # before the first token, another engine may serve the request
+
+
+def classify(error: grpc.aio.AioRpcError, address: str, has_output: bool) -> EngineCallError:
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        # The engine names the field as "field: message", the way our own errors do.
+        field, _, message = details.partition(": ")
+        return EngineCallError(InvalidRequestError(field, message or details), False)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return EngineCallError(TimeoutError("the deadline passed"), False)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not has_output:
+        return EngineCallError(EngineOverloadedError(f"engine {address}: {details}"), True)
+    if code in _ENGINE_TROUBLE or code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if has_output:
+            return EngineCallError(engine_failed_mid_request(address, details), False)
+        return EngineCallError(EngineUnavailableError(f"engine {address}: {details}"), True)
+    return EngineCallError(RuntimeError(f"engine {address}: {code.name}: {details}"), False)
+
+
+def engine_failed_mid_request(address: str, details: str) -> EngineDeadError:
+    # Tokens already went to the client: retrying elsewhere would restart the text.
+    return EngineDeadError(f"engine {address} failed mid-request: {details}")

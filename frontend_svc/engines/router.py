@@ -1,0 +1,97 @@
+"""Engine calls for one choice: on the least-loaded healthy engine, retried on another when an
+engine fails before its first response, and cancelled (so the engine aborts the request)
+whenever the caller stops listening."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+
+import grpc
+
+from frontend_svc.engines.convert import to_engine_output, to_generate_request
+from frontend_svc.engines.endpoint import EngineEndpoint
+from frontend_svc.engines.errors import EngineCallError, classify, engine_failed_mid_request
+from frontend_svc.engines.pool import EnginePool
+from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
+from shared.errors import EngineUnavailableError
+
+# How long an engine whose call failed stays out, unless its health watch reports sooner.
+SUSPEND_AFTER_FAILURE_S = 2.0
+
+
+class EngineRequestFailed(Exception):
+    """The engine ended the request with FINISH_REASON_ERROR."""
+
+
+class EngineRouter:
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    async def generate(
+        self, request: EngineRequest, deadline: float | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The engine's outputs for `request`. `deadline` is on time.monotonic()'s clock."""
+        tried: list[str] = []
+        last_failure: Exception | None = None
+        while True:
+            try:
+                endpoint = self.pool.pick(exclude=tried)
+            except EngineUnavailableError:
+                raise last_failure or EngineUnavailableError("no healthy engine") from None
+            tried.append(endpoint.address)
+            has_output = False
+            try:
+                async with contextlib.aclosing(self._call(endpoint, request, deadline)) as outputs:
+                    async for output in outputs:
+                        has_output = True
+                        yield output
+                return
+            except grpc.aio.AioRpcError as error:
+                failure = classify(error, endpoint.address, has_output)
+            except EngineRequestFailed as error:
+                failure = _request_failed(endpoint.address, str(error), has_output)
+            if not failure.is_retriable:
+                raise failure.error
+            endpoint.suspend(SUSPEND_AFTER_FAILURE_S)
+            last_failure = failure.error
+
+    async def _call(
+        self, endpoint: EngineEndpoint, request: EngineRequest, deadline: float | None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        with endpoint.track_call():
+            endpoint.num_awaiting_output += 1
+            is_awaiting = True
+            call = endpoint.stub.Generate(
+                to_generate_request(request), timeout=_time_left(deadline)
+            )
+            try:
+                async for response in call:
+                    if is_awaiting:
+                        endpoint.num_awaiting_output -= 1
+                        is_awaiting = False
+                    output = to_engine_output(response)
+                    if output.finish_reason == FinishReason.ERROR:
+                        raise EngineRequestFailed(output.error or "the engine failed the request")
+                    yield output
+            finally:
+                if is_awaiting:
+                    endpoint.num_awaiting_output -= 1
+                # A no-op after the last message; otherwise the engine aborts the request.
+                call.cancel()
+
+
+def _time_left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return left
+
+
+def _request_failed(address: str, message: str, has_output: bool) -> EngineCallError:
+    if has_output:
+        return EngineCallError(engine_failed_mid_request(address, message), False)
+    return EngineCallError(EngineUnavailableError(f"engine {address}: {message}"), True)
