@@ -1,0 +1,138 @@
+"""One client request in flight: n engine requests (one per choice) whose outputs are merged
+into a stream of updates, and aborted as soon as they are no longer wanted (a stop string
+matched, the client went away, the deadline passed, another choice failed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncGenerator
+
+from frontend_svc.choice import ChoiceState
+from frontend_svc.detokenizer import Decoder
+from frontend_svc.engines.router import EngineRouter
+from frontend_svc.messages import (
+    ChoiceDelta,
+    EngineOutput,
+    EngineRequest,
+    GenerationUpdate,
+    SamplingOptions,
+    Usage,
+)
+from shared.errors import EngineDeadError
+
+# What a choice's pump puts on the queue: an engine output, the error that ended the engine
+# call, or None once the call ended normally.
+_QueueItem = tuple[int, EngineOutput | Exception | None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreparedRequest:
+    """A validated request with its prompt tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    priority: int = 0
+
+    def engine_request(self, index: int, suffix: str) -> EngineRequest:
+        # Clients choose request ids and may reuse them; the suffix keeps engine ids unique.
+        return EngineRequest(
+            request_id=f"{self.request_id}-{index}-{suffix}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling.for_choice(index),
+            priority=self.priority,
+        )
+
+
+class Generation:
+    def __init__(self, request: PreparedRequest, router: EngineRouter, decoder: Decoder) -> None:
+        self.request = request
+        self.router = router
+        self.choices = [
+            ChoiceState(i, decoder, request.sampling) for i in range(request.sampling.n)
+        ]
+        self.queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self.pumps: list[asyncio.Task[None]] = []
+
+    @property
+    def is_finished(self) -> bool:
+        return all(choice.is_finished for choice in self.choices)
+
+    @property
+    def usage(self) -> Usage:
+        # n choices share one prompt: it counts once, and the prefix cache serves the copies.
+        return Usage(
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=sum(choice.num_tokens for choice in self.choices),
+            cached_tokens=max(choice.num_cached_tokens for choice in self.choices),
+        )
+
+    async def updates(self, deadline: float | None) -> AsyncGenerator[GenerationUpdate, None]:
+        """Each update carries what every choice produced since the previous one: outputs
+        that queued up while the consumer was busy are merged into one update."""
+        suffix = uuid.uuid4().hex[:8]
+        self.pumps = [
+            asyncio.create_task(self._pump(i, self.request.engine_request(i, suffix), deadline))
+            for i in range(len(self.choices))
+        ]
+        try:
+            while not self.is_finished:
+                items = [await self.queue.get()]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                for index, item in items:
+                    self._apply(index, item)
+                deltas = [d for d in (c.take_delta() for c in self.choices) if d is not None]
+                usage = self.usage if self.is_finished else None
+                if deltas or usage is not None:
+                    yield GenerationUpdate(
+                        request_id=self.request.request_id, choices=deltas, usage=usage
+                    )
+        finally:
+            # Cancelling a pump cancels its engine call, which aborts the engine request.
+            for pump in self.pumps:
+                pump.cancel()
+            await asyncio.gather(*self.pumps, return_exceptions=True)
+
+    async def _pump(self, index: int, request: EngineRequest, deadline: float | None) -> None:
+        try:
+            async with contextlib.aclosing(self.router.generate(request, deadline)) as outputs:
+                async for output in outputs:
+                    self.queue.put_nowait((index, output))
+        except Exception as error:
+            self.queue.put_nowait((index, error))
+        else:
+            self.queue.put_nowait((index, None))
+
+    def _apply(self, index: int, item: EngineOutput | Exception | None) -> None:
+        choice = self.choices[index]
+        if choice.is_finished:
+            return  # outputs (or errors) that raced with a stop string
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            raise EngineDeadError("the engine ended a request without a finish reason")
+        if choice.add(item):
+            self.pumps[index].cancel()  # a stop string matched: abort the engine request now
+
+
+async def collect(updates: AsyncGenerator[GenerationUpdate, None]) -> GenerationUpdate:
+    """The whole result of a stream of updates, one delta per choice."""
+    request_id = ""
+    usage: Usage | None = None
+    merged: dict[int, ChoiceDelta] = {}
+    async with contextlib.aclosing(updates):
+        async for update in updates:
+            request_id, usage = update.request_id, update.usage or usage
+            for delta in update.choices:
+                whole = merged.setdefault(delta.index, ChoiceDelta(index=delta.index))
+                whole.text += delta.text
+                whole.token_ids += delta.token_ids
+                whole.logprobs += delta.logprobs
+                if delta.finish_reason is not None:
+                    whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+    choices = [merged[index] for index in sorted(merged)]
+    return GenerationUpdate(request_id=request_id, choices=choices, usage=usage)

@@ -1,0 +1,154 @@
+"""The frontend service's life: serve gRPC at once (NOT_SERVING), find the engines, load the
+tokenizer (from --tokenizer or from an engine), then report SERVING while at least one engine
+is healthy; on SIGTERM or SIGINT, stop taking calls and let in-flight ones finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health
+
+from frontend_svc.engines.endpoint import EngineEndpoint
+from frontend_svc.engines.pool import EnginePool
+from frontend_svc.engines.resolver import AddressResolver
+from frontend_svc.engines.tokenizer_fetch import fetch_tokenizer
+from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
+from frontend_svc.server.servicer import GenerationServicer
+from frontend_svc.service import Frontend
+from frontend_svc.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontendOptions:
+    engines: tuple[str, ...] = ("127.0.0.1:50061",)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tokenizer_dir: Path | None = None  # None: fetch from an engine's GetTokenizer
+    max_waiting_requests: int = 1024
+    engine_poll_interval_s: float = 0.5
+    resolve_interval_s: float = 5.0
+    startup_timeout_s: float = 600.0
+    shutdown_grace_s: float = 10.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+async def serve(options: FrontendOptions) -> int:
+    """Run the service; returns the process exit code."""
+    pool = EnginePool(
+        _endpoint_factory(options.engine_poll_interval_s), options.max_waiting_requests
+    )
+    frontend = Frontend(pool)
+    server, health_servicer = build_server(
+        GenerationServicer(frontend), options.host, options.port, options.max_message_bytes
+    )
+    resolver = AddressResolver(options.engines, pool.set_addresses, options.resolve_interval_s)
+    stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    _on_stop_signals(stop)
+    health_changed = pool.subscribe()
+    tasks = [
+        asyncio.create_task(resolver.run()),
+        asyncio.create_task(_report_health(frontend, health_servicer, health_changed)),
+    ]
+    try:
+        await set_serving(health_servicer, False)
+        await server.start()
+        logger.info(
+            "gRPC server on %s:%d; engines: %s",
+            options.host,
+            options.port,
+            ", ".join(options.engines),
+        )
+        tokenizer = await _first(_load_tokenizer(pool, options), stop, options.startup_timeout_s)
+        if tokenizer is None:
+            await server.stop(grace=None)
+            return 0 if stop.done() else 1
+        frontend.tokenizer = tokenizer
+        pool.notify()
+        await stop
+        logger.info("shutting down: in-flight calls get %g s", options.shutdown_grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=options.shutdown_grace_s)
+        return 0
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pool.close()
+
+
+def _endpoint_factory(
+    poll_interval_s: float,
+) -> Callable[[str, Callable[[], None]], EngineEndpoint]:
+    return lambda address, on_change: EngineEndpoint(address, poll_interval_s, on_change)
+
+
+async def _load_tokenizer(pool: EnginePool, options: FrontendOptions) -> Tokenizer:
+    if options.tokenizer_dir is not None:
+        return await asyncio.to_thread(Tokenizer.load, options.tokenizer_dir)
+    changed = pool.subscribe()
+    while True:
+        for endpoint in pool.available:
+            try:
+                tokenizer = await fetch_tokenizer(endpoint.stub, timeout_s=60.0)
+            except Exception as error:  # the next engine, or the next round, may do better
+                logger.warning("no tokenizer from engine %s: %s", endpoint.address, error)
+                continue
+            logger.info("tokenizer loaded from engine %s", endpoint.address)
+            return tokenizer
+        changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout=1.0)
+
+
+async def _first(work: Any, stop: asyncio.Future[str], timeout_s: float) -> Tokenizer | None:
+    """The tokenizer, unless a stop signal or the start-up timeout comes first (None)."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait(
+        {task, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+    )
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if not stop.done():
+            logger.error("no tokenizer within %g s (no engine serving?)", timeout_s)
+        return None
+    if task.exception() is not None:
+        logger.error("cannot load the tokenizer: %s", task.exception())
+        return None
+    return task.result()
+
+
+async def _report_health(
+    frontend: Frontend, health_servicer: health.aio.HealthServicer, changed: asyncio.Event
+) -> None:
+    """SERVING while the frontend can serve (tokenizer loaded, an engine healthy), so load
+    balancers and readiness probes route around a frontend whose engines are all gone."""
+    serving: bool | None = None
+    while True:
+        await changed.wait()
+        changed.clear()
+        if frontend.is_ready != serving:
+            serving = frontend.is_ready
+            logger.info("frontend %s", "SERVING" if serving else "NOT_SERVING")
+            await set_serving(health_servicer, serving)
+
+
+def _on_stop_signals(stop: asyncio.Future[str]) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, functools.partial(_settle, stop, "signal"))
+
+
+def _settle(future: asyncio.Future[str], reason: str) -> None:
+    if not future.done():
+        future.set_result(reason)
