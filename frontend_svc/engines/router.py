@@ -5,6 +5,7 @@ whenever the caller stops listening."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator
 
@@ -16,6 +17,8 @@ from frontend_svc.engines.errors import EngineCallError, classify, engine_failed
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
 from shared.errors import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
 
 # How long an engine whose call failed stays out, unless its health watch reports sooner.
 SUSPEND_AFTER_FAILURE_S = 2.0
@@ -54,6 +57,7 @@ class EngineRouter:
                 failure = _request_failed(endpoint.address, str(error), has_output)
             if not failure.is_retriable:
                 raise failure.error
+            logger.warning("retrying %s elsewhere: %s", request.request_id, failure.error)
             endpoint.suspend(SUSPEND_AFTER_FAILURE_S)
             last_failure = failure.error
 
