@@ -9,7 +9,7 @@ TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install tools model proto test k8s-check run run-engine bench lint clean
+.PHONY: install tools model proto test k8s-check run demo run-engine run-frontend bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,13 +62,24 @@ test: $(GEN_STAMP) $(TOOLS_STAMP)
 k8s-check: $(GEN_STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q tests/k8s tests/protos
 
+# Engine and frontend on 127.0.0.1 (ports 50061, 50051) with the default model: waits until
+# both are SERVING, prints how to call the API, and stops both on Ctrl-C.
 run: $(GEN_STAMP)
+	$(PY) -m frontend_svc.launcher --model "$$($(PY) -m shared.model_store | tail -n 1)"
+
+# Generate text for a few prompts in-process with the default model, and report tokens/s.
+demo: $(GEN_STAMP)
 	$(PY) -m engine_svc.demo --model "$$($(PY) -m shared.model_store | tail -n 1)"
 
 # The engine service (engine.v1.EngineCoreService) on the default model, 127.0.0.1:50061;
 # pass more flags with ARGS="--data-parallel-size 2 ..." (python -m engine_svc --help).
 run-engine: $(GEN_STAMP)
 	$(PY) -m engine_svc --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
+
+# The frontend service (frontend.v1.GenerationService) on 127.0.0.1:50051, in front of the
+# engine at 127.0.0.1:50061 (make run-engine); more flags with ARGS (python -m frontend_svc --help).
+run-frontend: $(GEN_STAMP)
+	$(PY) -m frontend_svc $(ARGS)
 
 bench: $(GEN_STAMP)
 	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)"

@@ -1,0 +1,141 @@
+"""A small command-line client for people: `python -m frontend_svc.client "Tell me a story"
+--stream --max-tokens 64` prints the text as it arrives; `--chat` holds a conversation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+
+import grpc
+
+from shared.frontend_protos import frontend_pb2 as pb
+from shared.frontend_protos import frontend_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m frontend_svc.client", description=__doc__)
+    add = parser.add_argument
+    add("prompt", nargs="?", help="the prompt (omit with --chat)")
+    add("--address", default="127.0.0.1:50051", help="the frontend (default: %(default)s)")
+    add("--chat", action="store_true", help="talk to the model with its chat template")
+    add("--system", help="a system message for --chat")
+    add("--stream", action="store_true", help="print text as it arrives")
+    add("--max-tokens", type=int, default=128, help="default: %(default)s")
+    add("--temperature", type=float, help="0 is greedy (default: the engine's, 1.0)")
+    add("--top-p", type=float)
+    add("--seed", type=int)
+    add("--n", type=int, default=1, help="completions (default: %(default)s)")
+    add("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
+    return parser
+
+
+def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
+    params = pb.SamplingParams(max_tokens=args.max_tokens, n=args.n, stop=args.stop)
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(args, name) is not None:
+            setattr(params, name, getattr(args, name))
+    return params
+
+
+def print_streamed(responses: Iterable[pb.GenerateResponse], n: int) -> str:
+    """Prints the text as it arrives (all choices at the end when n > 1); returns choice 0's."""
+    texts: dict[int, str] = {}
+    finish: dict[int, int] = {}
+    usage = None
+    for response in responses:
+        for choice in response.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+            if n == 1:
+                print(choice.text, end="", flush=True)
+        if response.HasField("usage"):
+            usage = response.usage
+    if n == 1:
+        print()
+    else:
+        print_choices(texts)
+    print_summary(finish, usage)
+    return texts.get(0, "")
+
+
+def print_unary(response: pb.GenerateResponse) -> str:
+    texts = {choice.index: choice.text for choice in response.choices}
+    if len(texts) == 1:
+        print(texts[0])
+    else:
+        print_choices(texts)
+    print_summary({c.index: c.finish_reason for c in response.choices}, response.usage)
+    return texts.get(0, "")
+
+
+def print_choices(texts: dict[int, str]) -> None:
+    for index in sorted(texts):
+        print(f"--- choice {index} ---\n{texts[index]}")
+
+
+def print_summary(finish: dict[int, int], usage: pb.Usage | None) -> None:
+    reasons = ", ".join(
+        pb.FinishReason.Name(finish[i]).removeprefix("FINISH_REASON_").lower()  # type: ignore[arg-type]
+        for i in sorted(finish)
+    )
+    if usage is not None:
+        counts = f"{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"
+        print(f"[{reasons}; {counts}, {usage.cached_tokens} cached]", file=sys.stderr)
+
+
+def generate(
+    stub: frontend_pb2_grpc.GenerationServiceStub,
+    request: pb.GenerateRequest,
+    args: argparse.Namespace,
+) -> str:
+    if args.stream:
+        return print_streamed(stub.GenerateStream(request, timeout=args.timeout), args.n)
+    return print_unary(stub.Generate(request, timeout=args.timeout))
+
+
+def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
+    history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append(pb.ChatMessage(role="user", content=line))
+        request = pb.GenerateRequest(messages=history, sampling_params=sampling_params(args))
+        reply = generate(stub, request, args)
+        history.append(pb.ChatMessage(role="assistant", content=reply))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.prompt is None) != args.chat:
+        parser.error("give a prompt, or --chat")
+    if args.chat:
+        args.stream = args.stream or args.n == 1  # a conversation reads best as it arrives
+    with grpc.insecure_channel(args.address) as channel:
+        stub = frontend_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            if args.chat:
+                chat(stub, args)
+            else:
+                request = pb.GenerateRequest(
+                    prompt=args.prompt, sampling_params=sampling_params(args)
+                )
+                generate(stub, request, args)
+        except grpc.RpcError as error:
+            print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # closing the channel cancels the call: the engine aborts
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
