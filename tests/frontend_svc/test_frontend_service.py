@@ -1,0 +1,283 @@
+"""The frontend and the engine as subprocesses with the tiny model (started once): greedy text
+equals Hugging Face generate + decode, streams join to the unary text, stop strings cut
+exactly and abort the engine request, n > 1, chat, and two frontends agree."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shared.frontend_protos import frontend_pb2 as pb
+from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
+from tests.engine_svc.service_helpers import SERVING, ServiceProcess, run_async
+from tests.frontend_svc.service_processes import (
+    EngineWitness,
+    FrontendProcess,
+    frontend_stub,
+    greedy,
+    stream_texts,
+    wait_all_serving,
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Emoji time: 😀🎉👍🏽 and 🇫🇷",
+    "中文测试：你好，世界",  # noqa: RUF001
+    "日本語のテキストです。",
+    "한국어 문장입니다",
+    "Mixed 😀 中文 and English",
+    "1, 2, 3, 4,",
+    "café naïve résumé",
+    "   leading spaces",
+    "<html><body>",
+    "Q: What is 2+2?\nA:",
+    "The quick brown fox",
+    "🙂",
+    "Ω≈ç√∫",
+]
+MAX_TOKENS = [8 + (7 * i) % 25 for i in range(len(PROMPTS))]
+EOS_OR_LENGTH = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+class Services:
+    def __init__(self, engine: ServiceProcess, fetching: FrontendProcess, local: FrontendProcess):
+        self.engine = engine
+        self.frontend = fetching  # tokenizer fetched with the engine's GetTokenizer
+        self.second_frontend = local  # tokenizer from --tokenizer
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    logs = tmp_path_factory.mktemp("frontend-service")
+    engine = ServiceProcess(tiny_model_dir, logs / "engine.log")
+    fetching = FrontendProcess([engine.address], logs / "frontend-a.log")
+    local = FrontendProcess(
+        [engine.address], logs / "frontend-b.log", "--tokenizer", str(tiny_model_dir)
+    )
+    wait_all_serving([engine, fetching, local])
+    yield Services(engine, fetching, local)
+    for process in (fetching, local, engine):
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    return load_hf_model(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def generate_all(address: str, requests: list[pb.GenerateRequest]) -> list[pb.GenerateResponse]:
+    async def body() -> list[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = frontend_stub(channel)
+            return list(await asyncio.gather(*(stub.Generate(r, timeout=60) for r in requests)))
+
+    return list(run_async(body))
+
+
+def prompt_requests(**sampling: Any) -> list[pb.GenerateRequest]:
+    return [
+        pb.GenerateRequest(prompt=p, sampling_params=greedy(m, **sampling))
+        for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
+
+
+def test_greedy_text_equals_hf_generate_and_decode_and_streams_join_to_it(
+    services: Services, hf: tuple[Any, Any]
+) -> None:
+    model, tokenizer = hf
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    expected_ids = hf_greedy(model, prompt_ids, MAX_TOKENS)
+    expected_texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected_ids]
+
+    responses = generate_all(services.frontend.address, prompt_requests())
+    assert [list(r.choices[0].token_ids) for r in responses] == expected_ids
+    assert [r.choices[0].text for r in responses] == expected_texts
+    assert all(r.choices[0].finish_reason in EOS_OR_LENGTH for r in responses)
+    assert [r.usage.prompt_tokens for r in responses] == [len(ids) for ids in prompt_ids]
+    assert [r.usage.completion_tokens for r in responses] == [len(ids) for ids in expected_ids]
+
+    async def streams() -> list[tuple[list[str], list[int], list[pb.GenerateResponse]]]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            stub = frontend_stub(channel)
+            return list(await asyncio.gather(*(stream_texts(stub, r) for r in prompt_requests())))
+
+    results = zip(run_async(streams), expected_texts, expected_ids, strict=True)
+    for (deltas, token_ids, messages), text, ids in results:
+        assert "".join(deltas) == text
+        assert token_ids == ids
+        # Mid-stream deltas never end inside a character; usage comes last, once.
+        assert not any(d.endswith("\ufffd") for d in deltas[:-1])
+        assert [m.HasField("usage") for m in messages] == [False] * (len(messages) - 1) + [True]
+
+
+def test_two_frontends_on_one_engine_give_identical_results(services: Services) -> None:
+    requests = prompt_requests()
+    sampled = pb.GenerateRequest(
+        prompt="Tell me a story",
+        sampling_params=pb.SamplingParams(max_tokens=24, temperature=0.9, seed=42, n=2),
+    )
+    first = generate_all(services.frontend.address, [*requests, sampled])
+    second = generate_all(services.second_frontend.address, [*requests, sampled])
+    assert [[(c.text, list(c.token_ids)) for c in r.choices] for r in first] == [
+        [(c.text, list(c.token_ids)) for c in r.choices] for r in second
+    ]
+
+
+def _stop_spanning_two_tokens(tokenizer: Any, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string made of the end of one token's text and the start of the next's, whose
+    first occurrence is there; and the number of tokens up to the completing one."""
+    texts = [
+        tokenizer.decode(token_ids[:k], skip_special_tokens=True) for k in range(len(token_ids) + 1)
+    ]
+    for k in range(2, len(token_ids) - 1):
+        first, second = texts[k][len(texts[k - 1]) :], texts[k + 1][len(texts[k]) :]
+        if len(first.strip()) < 2 or len(second.strip()) < 2 or "\ufffd" in texts[k + 1]:
+            continue
+        stop = first[-2:] + second[:2]
+        if texts[k + 1].find(stop) == len(texts[k]) - 2:
+            return stop, k + 1
+    raise AssertionError("no two neighbouring tokens to span")
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
+    services: Services, hf: tuple[Any, Any], include_stop_str_in_output: bool
+) -> None:
+    _, tokenizer = hf
+    prompt = "A stop string test: the quick brown fox"
+    reference = generate_all(
+        services.frontend.address,
+        [pb.GenerateRequest(prompt=prompt, sampling_params=greedy(40, ignore_eos=True))],
+    )[0].choices[0]
+    stop, num_tokens = _stop_spanning_two_tokens(tokenizer, list(reference.token_ids))
+    cut = reference.text.index(stop) + (len(stop) if include_stop_str_in_output else 0)
+    params = greedy(
+        600, ignore_eos=True, stop=["never appears", stop],
+        include_stop_str_in_output=include_stop_str_in_output,
+    )  # fmt: skip
+
+    async def body() -> tuple[pb.Choice, int]:
+        async with EngineWitness(services.engine.address, "stop") as witness:
+            start = witness.steps
+            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+                request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
+                response = await frontend_stub(channel).Generate(request, timeout=60)
+            return response.choices[0], await witness.steps_until_alone() - start
+
+    choice, steps = run_async(body)
+    assert choice.text == reference.text[:cut]
+    assert list(choice.token_ids) == list(reference.token_ids[:num_tokens])
+    assert (choice.finish_reason, choice.stop_string) == (pb.FINISH_REASON_STOP, stop)
+    assert steps < 300, f"the engine ran the stopped request for {steps} steps (of 600)"
+
+
+def test_cancelling_mid_stream_aborts_the_engine_request(services: Services) -> None:
+    async def body() -> int:
+        async with EngineWitness(services.engine.address, "cancel") as witness:
+            start = witness.steps
+            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+                request = pb.GenerateRequest(
+                    prompt="Cancel me", sampling_params=greedy(600, ignore_eos=True)
+                )
+                call = frontend_stub(channel).GenerateStream(request)
+                for _ in range(3):
+                    await call.read()
+                call.cancel()
+            return await witness.steps_until_alone() - start
+
+    steps = run_async(body)
+    assert steps < 300, f"the engine ran the cancelled request for {steps} steps (of 600)"
+
+
+def test_n_choices_use_consecutive_seeds_and_share_the_prompt_blocks(services: Services) -> None:
+    prompt = "Sharing a prompt among three choices, long enough to fill a few KV blocks: " * 2
+    params = {"max_tokens": 12, "temperature": 1.0}
+    requests = [
+        pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(n=3, seed=7, **params))
+    ]
+    requests += [
+        pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(seed=7 + i, **params))
+        for i in range(3)
+    ]
+    together, *alone = generate_all(services.frontend.address, requests)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [r.choices[0].text for r in alone]
+    assert len({c.text for c in together.choices}) > 1
+    usage = together.usage
+    assert usage.completion_tokens == sum(len(c.token_ids) for c in together.choices)
+    assert 0 < usage.cached_tokens < usage.prompt_tokens
+
+
+def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, Any]) -> None:
+    model, tokenizer = hf
+    messages = [{"role": "user", "content": "Hello! 你好 😀"}]
+    expected_prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    expected = hf_greedy(model, [expected_prompt], [16])[0]
+    chat = [pb.ChatMessage(**m) for m in messages]
+    with grpc.insecure_channel(services.frontend.address) as channel:
+        stub = frontend_stub(channel)
+        tokenized = stub.Tokenize(pb.TokenizeRequest(messages=chat), timeout=30)
+        response = stub.Generate(
+            pb.GenerateRequest(messages=chat, sampling_params=greedy(16)), timeout=60
+        )
+        text = stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[7]), timeout=30)
+    assert list(tokenized.token_ids) == expected_prompt
+    assert list(response.choices[0].token_ids) == expected
+    assert list(text.token_ids) == tokenizer(PROMPTS[7]).input_ids
+    assert tokenizer.decode(text.token_ids) == PROMPTS[7]  # emoji and CJK round-trip
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"prompt": "a", "prompt_token_ids": [1]}, "prompt"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(n=0)}, "sampling_params.n"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(temperature=-1)},
+         "sampling_params.temperature"),  # checked by the engine, named the same way
+        ({"prompt": "word " * 1100}, "prompt"),
+        ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids"),
+        ({"messages": [pb.ChatMessage(role="", content="x")]}, "messages[0].role"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_invalid_argument_naming_the_field(
+    services: Services, fields: dict[str, Any], field: str
+) -> None:
+    with grpc.insecure_channel(services.frontend.address) as channel:
+        for method in ("Generate", "GenerateStream"):
+            call = getattr(frontend_stub(channel), method)
+            with pytest.raises(grpc.RpcError) as caught:
+                result = call(pb.GenerateRequest(**fields), timeout=30)
+                list(result) if method == "GenerateStream" else result
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+
+
+def test_model_info_health_and_reflection(services: Services, tiny_model_dir: Path) -> None:
+    assert services.frontend.health() == SERVING
+    with grpc.insecure_channel(services.frontend.address) as channel:
+        info = frontend_stub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        query = reflection_pb2.ServerReflectionRequest(list_services="")
+        answer = next(iter(reflection.ServerReflectionInfo(iter([query]), timeout=5)))
+    assert (info.model_name, info.max_model_len, info.vocab_size) == (
+        tiny_model_dir.name,
+        1024,
+        49152,
+    )
+    assert (list(info.eos_token_ids), info.has_chat_template) == ([2], True)
+    assert (info.num_engines, info.num_healthy_engines) == (1, 1)
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"frontend.v1.GenerationService", "grpc.health.v1.Health"} <= names
