@@ -1,5 +1,6 @@
-"""One frontend over two engine subprocesses (tiny model): requests spread over both, and when
-one engine is killed, new requests go to the other without a client seeing an error."""
+"""One frontend over two engine subprocesses (tiny model): requests spread over both; when one
+engine is killed, new requests go to the other without a client seeing an error; with none
+left, the frontend reports NOT_SERVING and answers UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import pytest
 
 from shared.frontend_protos import frontend_pb2 as pb
 from shared.protos import engine_pb2
-from tests.engine_svc.service_helpers import SERVING, ServiceProcess, engine_stub, run_async
+from tests.engine_svc.service_helpers import (
+    NOT_SERVING,
+    SERVING,
+    ServiceProcess,
+    engine_stub,
+    run_async,
+)
 from tests.frontend_svc.service_processes import (
     FrontendProcess,
     frontend_stub,
@@ -105,3 +112,19 @@ def test_with_one_engine_killed_new_requests_go_to_the_other(cluster: Cluster) -
                 break
             time.sleep(0.1)
     assert (info.num_engines, info.num_healthy_engines) == (2, 1)
+
+
+def test_with_no_engine_left_the_frontend_is_not_serving_and_unavailable(
+    cluster: Cluster,
+) -> None:
+    for engine in cluster.engines:
+        engine.stop()
+    deadline = time.monotonic() + 10
+    while cluster.frontend.health() == SERVING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.frontend.health() == NOT_SERVING
+    with grpc.insecure_channel(cluster.frontend.address) as channel:
+        request = pb.GenerateRequest(prompt="anyone?", sampling_params=greedy(4))
+        with pytest.raises(grpc.RpcError) as caught:
+            frontend_stub(channel).Generate(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -218,6 +218,14 @@ def test_n_choices_use_consecutive_seeds_and_share_the_prompt_blocks(services: S
     assert 0 < usage.cached_tokens < usage.prompt_tokens
 
 
+def test_logprobs_come_with_each_token(services: Services) -> None:
+    request = pb.GenerateRequest(prompt="Logprobs", sampling_params=greedy(6, logprobs=2))
+    choice = generate_all(services.frontend.address, [request])[0].choices[0]
+    assert [lp.token_id for lp in choice.logprobs] == list(choice.token_ids)
+    assert all(len(lp.top_token_ids) == len(lp.top_logprobs) == 2 for lp in choice.logprobs)
+    assert all(lp.rank == 1 and lp.logprob <= 0 for lp in choice.logprobs)  # greedy
+
+
 def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, Any]) -> None:
     model, tokenizer = hf
     messages = [{"role": "user", "content": "Hello! 你好 😀"}]
