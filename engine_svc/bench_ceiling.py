@@ -24,6 +24,12 @@ class Ceilings:
     flops_per_s: float  # best large float32 GEMM
     bytes_per_s: float  # best large copy, read plus write bytes
 
+    def best(self, other: Ceilings) -> Ceilings:
+        """A ceiling is a maximum: keep the higher of two measurements of each."""
+        return Ceilings(
+            max(self.flops_per_s, other.flops_per_s), max(self.bytes_per_s, other.bytes_per_s)
+        )
+
 
 def measure_ceilings(dtype: torch.dtype = torch.float32) -> Ceilings:
     return Ceilings(flops_per_s=measure_gemm_flops(dtype), bytes_per_s=measure_copy_bandwidth())
