@@ -41,6 +41,14 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class RequestTimes(msgspec.Struct, array_like=True):
+    """When the engine core queued a request and first scheduled it (time.monotonic(), the
+    clock of EngineCoreOutputs.timestamp): sent once, with the request's first token."""
+
+    queued: float
+    scheduled: float
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     """What one step produced for one request."""
 
@@ -51,6 +59,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     stop_reason: int | None = None  # the stop token id that ended the request, if any
     num_cached_tokens: int = 0
     error: str | None = None
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,4 +80,4 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # the engine core's time.monotonic() when the step ended

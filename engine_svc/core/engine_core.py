@@ -231,7 +231,7 @@ class EngineCore:
         stats = self.scheduler.make_stats(
             num_generation_tokens=sum(len(o.new_token_ids) for o in outputs)
         )
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 
     def _on_executor_failure(self, error: BaseException) -> None:
         self.executor_failed = error

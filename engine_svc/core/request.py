@@ -51,6 +51,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
+        # time.monotonic() when queued in the scheduler and when first scheduled (0: not yet).
+        self.queued_time = 0.0
+        self.scheduled_time = 0.0
         # Chained hashes of the full blocks of all_token_ids, filled by the KV-cache manager.
         self.block_hashes: list[bytes] = []
         self.structured: GrammarState | None = None  # set for structured-output requests

@@ -15,7 +15,13 @@ import time
 from engine_svc.config import EngineConfig
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.sched.output import SchedulerOutput
-from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_svc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from engine_svc.proc.engine_io import EngineIO
 from engine_svc.proc.wire import (
     EngineInfo,
@@ -48,6 +54,7 @@ class EngineCoreProc(EngineCore):
         self._deferred: list[InputItem] = []
         self._shutdown_deadline: float | None = None
         self._executor_failure = threading.Event()
+        self._last_stats_sent: SchedulerStats | None = None
         super().__init__(config)
 
     @property
@@ -203,8 +210,17 @@ class EngineCoreProc(EngineCore):
             if self._executor_failure.wait(FAILURE_CALLBACK_WAIT_S):
                 raise ExecutorFailedError(f"Executor failed: {_describe(error)}") from error
             raise
-        if outputs.outputs:
+        if outputs.outputs or self._stats_worth_sending(outputs.scheduler_stats):
+            self._last_stats_sent = outputs.scheduler_stats
             self.io.send(OutputType.OUTPUTS, outputs)
+
+    def _stats_worth_sending(self, stats: SchedulerStats | None) -> bool:
+        """Stats go out alone too when they count tokens (a prefill chunk that sampled
+        nothing) or changed, so that no tokens go uncounted and no gauge sticks."""
+        if stats is None:
+            return False
+        computed = stats.num_prompt_tokens or stats.num_generation_tokens
+        return bool(computed) or stats != self._last_stats_sent
 
     def _on_executor_failure(self, error: BaseException) -> None:
         super()._on_executor_failure(error)

@@ -10,6 +10,8 @@ recomputed from the start, usually hitting its own blocks in the prefix cache.
 
 from __future__ import annotations
 
+import time
+
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache.manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
@@ -20,7 +22,7 @@ from engine_svc.core.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.core.sched.request_queue import make_request_queue
-from engine_svc.messages import EngineCoreOutput, FinishReason, SchedulerStats
+from engine_svc.messages import EngineCoreOutput, FinishReason, RequestTimes, SchedulerStats
 from shared.errors import InvalidRequestError
 
 
@@ -42,6 +44,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
+        request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -176,8 +179,9 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first scheduling
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -244,6 +248,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     error=request.error,
+                    times=_times_with_first_token(request),
                 )
             )
             if finished:
@@ -347,3 +352,10 @@ class Scheduler:
 def _num_prompt_tokens_in(request: Request, start: int, count: int) -> int:
     """How many of the tokens [start, start + count) belong to the prompt."""
     return max(0, min(start + count, request.num_prompt_tokens) - start)
+
+
+def _times_with_first_token(request: Request) -> RequestTimes | None:
+    """The request's queue and schedule times, on its first output token only."""
+    if request.num_output_tokens != 1:
+        return None
+    return RequestTimes(queued=request.queued_time, scheduled=request.scheduled_time)
