@@ -23,8 +23,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", help="name GetModelInfo reports (default: the folder's name)")
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     add("--port", type=int, default=50061, help="gRPC port (default: %(default)s)")
-    # Metrics arrive in a later issue; the flag is accepted now so deployments need not change.
-    add("--metrics-port", type=int, default=8001, help="Prometheus port (not served yet)")
+    add(
+        "--metrics-port",
+        type=int,
+        default=8001,
+        help="Prometheus metrics on http://HOST:PORT/metrics (default: %(default)s)",
+    )
+    add(
+        "--request-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also export each request's time to first token, inter-token and end-to-end "
+        "latency, lengths and finish reason (turn off where the frontend exports them)",
+    )
     add("--data-parallel-size", type=int, default=1, help="engine processes, one per rank")
     add(
         "--shutdown-timeout",
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         model_name=args.served_model_name or Path(model_dir).name,
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
+        request_metrics=args.request_metrics,
         data_parallel_size=args.data_parallel_size,
         shutdown_timeout_s=args.shutdown_timeout,
         max_message_bytes=args.max_message_bytes,

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from engine_svc.client.engine_procs import EngineProcesses
+from engine_svc.client.observer import GuardedObserver, NullObserver, RequestObserver
 from engine_svc.client.output_stream import RequestOutputStream
 from engine_svc.client.proc_monitor import ProcessMonitor
 from engine_svc.client.utility_calls import PendingUtilityCalls, unwrap
@@ -73,6 +74,7 @@ class AsyncMPClient:
         self.dead_error: EngineDeadError | None = None
         self._died = asyncio.Event()
         self._dead_callbacks: list[DeadCallback] = []
+        self._observer: RequestObserver = NullObserver()
 
     @property
     def num_ranks(self) -> int:
@@ -111,6 +113,10 @@ class AsyncMPClient:
 
     def add_dead_callback(self, callback: DeadCallback) -> None:
         self._dead_callbacks.append(callback)
+
+    def set_observer(self, observer: RequestObserver) -> None:
+        """Who hears of every request and output from now on (metrics)."""
+        self._observer = GuardedObserver(observer)
 
     def check_accepting(self) -> None:
         """Raise unless new requests and utility calls are welcome now."""
@@ -162,6 +168,7 @@ class AsyncMPClient:
         self._streams[request_id] = stream
         self._rank_of[request_id] = rank
         self.num_unfinished[rank] += 1
+        self._observer.on_request_added(request, rank)
         try:
             await self._send(rank, RequestType.ADD, request)
         except BaseException:
@@ -247,6 +254,7 @@ class AsyncMPClient:
 
     def _dispatch(self, rank: int, payload: EngineOutput) -> None:
         if isinstance(payload, EngineCoreOutputs):
+            self._observer.on_outputs(rank, payload)
             for output in payload.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -270,6 +278,7 @@ class AsyncMPClient:
         rank = self._rank_of.pop(request_id, None)
         if rank is not None:
             self.num_unfinished[rank] -= 1
+            self._observer.on_request_gone(request_id)
         return self._streams.pop(request_id, None)
 
     # ---- failure -------------------------------------------------------------------------

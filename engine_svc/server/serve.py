@@ -10,11 +10,16 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.client.dp_client import make_async_client
 from engine_svc.config import EngineConfig
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
+from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
+from shared.metrics.grpc_server import GrpcServerMetrics
+from shared.metrics.http_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,10 @@ class ServiceOptions:
     model_name: str
     host: str = "127.0.0.1"
     port: int = 50061
+    metrics_port: int = 8001  # Prometheus text on http://host:metrics_port/metrics
+    # Also export the client's view of each request (TTFT, ITL, e2e, lengths, finished
+    # requests); off where a frontend in front exports those, so dashboards count once.
+    request_metrics: bool = True
     data_parallel_size: int = 1
     shutdown_timeout_s: float = 30.0  # drain for this long on SIGTERM; 0: abort at once
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -37,13 +46,30 @@ class ServiceOptions:
 
 
 async def serve(config: EngineConfig, options: ServiceOptions) -> int:
-    """Run the service; returns the process exit code."""
+    """Run the service, its metrics on their own port; returns the process exit code."""
+    registry = CollectorRegistry()
+    try:
+        metrics_server = MetricsServer(registry, options.host, options.metrics_port)
+    except OSError as error:
+        logger.error("cannot serve metrics on %s:%d: %s", options.host, options.metrics_port, error)
+        return 1
+    try:
+        return await _serve(config, options, registry)
+    finally:
+        metrics_server.close()
+
+
+async def _serve(config: EngineConfig, options: ServiceOptions, registry: CollectorRegistry) -> int:
     client = make_async_client(
         config, options.data_parallel_size, options.shutdown_timeout_s, options.log_level
     )
     servicer = EngineCoreServicer(client, Path(config.model), options.model_name)
     server, health_servicer = build_server(
-        servicer, options.host, options.port, options.max_message_bytes
+        servicer,
+        options.host,
+        options.port,
+        options.max_message_bytes,
+        interceptors=[GrpcServerMetrics(registry)],
     )
     stop_reason: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     _on_stop_signals(stop_reason)
@@ -55,6 +81,7 @@ async def serve(config: EngineConfig, options: ServiceOptions) -> int:
         if not await _start_engines(client, stop_reason, options.startup_timeout_s):
             await server.stop(grace=None)
             return 0 if stop_reason.done() and stop_reason.result() == "signal" else 1
+        client.set_observer(_engine_metrics(registry, options, client))
         await set_serving(health_servicer, True)
         logger.info("serving %s", options.model_name)
         if await stop_reason == "dead":
@@ -87,6 +114,18 @@ async def _start_engines(
         logger.error("the engine failed to start: %s", error)
         return False
     return True
+
+
+def _engine_metrics(
+    registry: CollectorRegistry, options: ServiceOptions, client: AsyncMPClient
+) -> EngineServiceMetrics:
+    return EngineServiceMetrics(
+        registry,
+        options.model_name,
+        client.num_ranks,
+        max_model_len=max(info.max_model_len for info in client.ready_engine_infos),
+        request_metrics=options.request_metrics,
+    )
 
 
 def _on_stop_signals(stop_reason: asyncio.Future[str]) -> None:

@@ -39,10 +39,13 @@ class ServiceProcess:
     def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
         command = [
             sys.executable, "-m", "engine_svc", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), "--num-kv-blocks", "256",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port), "--num-kv-blocks", "256",
             "--log-level", "INFO", *extra_args,
         ]  # fmt: skip
         with log_path.open("wb") as log:
