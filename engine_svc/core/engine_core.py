@@ -39,7 +39,7 @@ RunnerResult = ModelRunnerOutput | PendingSample
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
-CPU_PROFILE_TOKENS = 256
+CPU_PROFILE_TOKENS = 128
 
 
 class EngineCore:

@@ -6,6 +6,7 @@ import logging
 import resource
 import sys
 
+import numpy as np
 import torch
 
 from engine_svc.core.sched.output import (
@@ -23,6 +24,7 @@ from engine_svc.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+PROFILE_CHUNK_TOKENS = 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,12 +76,19 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.spec.num_layers)
+            (self._zeros(shape), self._zeros(shape)) for _ in range(self.spec.num_layers)
         ]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed KV tensor. Zeros matter: masked-out slots still meet the attention
+        product, and uninitialized memory could hold NaN. On CPU, numpy's calloc-backed
+        zeros come as untouched pages from the OS, so gigabytes cost no start-up time
+        (torch.zeros writes every byte)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[element])
+        return torch.from_numpy(raw).view(self.dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingSample:
@@ -151,12 +160,13 @@ class ModelRunner:
         num_seqs = max(1, min(num_seqs, num_tokens))
         saved = self.kv_caches
         self.allocate_kv_cache(-(-num_tokens // self.block_size) + 1)
-        per_seq = num_tokens // num_seqs
+        # The forward's peak does not depend on how the tokens split into prompts, but one
+        # SDPA call per tiny prompt would cost seconds: use chunks of up to 512 tokens.
+        num_chunks = -(-num_tokens // PROFILE_CHUNK_TOKENS)
+        chunk_len = -(-num_tokens // num_chunks)
         chunks = [
-            PrefillChunk(
-                i * per_seq, per_seq if i < num_seqs - 1 else num_tokens - i * per_seq, None, None
-            )
-            for i in range(num_seqs)
+            PrefillChunk(start, min(chunk_len, num_tokens - start), None, None)
+            for start in range(0, num_tokens, chunk_len)
         ]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device),
@@ -170,7 +180,9 @@ class ModelRunner:
         hidden = self.model(
             ids, torch.arange(num_tokens, device=self.device) % 2, self.kv_caches, meta
         )
-        logits = self.model.compute_logits(hidden[:num_seqs]).float()
+        # Logits and softmax for one sampled row per sequence, as a full step would have.
+        rows = torch.arange(num_seqs, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         torch.softmax(logits, dim=-1)
         peak = _memory_peak(self.device) - before
         self.kv_caches = saved
