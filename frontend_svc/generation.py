@@ -56,6 +56,7 @@ class Generation:
         ]
         self.queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self.pumps: list[asyncio.Task[None]] = []
+        self.unanswered: set[int] = set()  # choices admitted that have no engine output yet
 
     @property
     def is_finished(self) -> bool:
@@ -73,6 +74,9 @@ class Generation:
     async def updates(self, deadline: float | None) -> AsyncGenerator[GenerationUpdate, None]:
         """Each update carries what every choice produced since the previous one: outputs
         that queued up while the consumer was busy are merged into one update."""
+        pool = self.router.pool
+        pool.admit(len(self.choices))  # raises when overloaded, or when no engine serves
+        self.unanswered = set(range(len(self.choices)))
         suffix = uuid.uuid4().hex[:8]
         self.pumps = [
             asyncio.create_task(self._pump(i, self.request.engine_request(i, suffix), deadline))
@@ -92,6 +96,8 @@ class Generation:
                         request_id=self.request.request_id, choices=deltas, usage=usage
                     )
         finally:
+            pool.answered(len(self.unanswered))
+            self.unanswered.clear()
             # Cancelling a pump cancels its engine call, which aborts the engine request.
             for pump in self.pumps:
                 pump.cancel()
@@ -108,6 +114,9 @@ class Generation:
             self.queue.put_nowait((index, None))
 
     def _apply(self, index: int, item: EngineOutput | Exception | None) -> None:
+        if index in self.unanswered:
+            self.unanswered.discard(index)
+            self.router.pool.answered()
         choice = self.choices[index]
         if choice.is_finished:
             return  # outputs (or errors) that raced with a stop string

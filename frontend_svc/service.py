@@ -41,10 +41,9 @@ class Frontend:
     def stream(
         self, request: GenerationRequest, deadline: float | None
     ) -> AsyncGenerator[GenerationUpdate, None]:
-        """Updates as the choices advance. Raises at once (not on iteration) for bad input,
-        overload, or no engine, so both RPCs fail before sending anything."""
+        """Updates as the choices advance. Bad input raises at once; overload and no engine
+        on the first iteration; both before anything is sent."""
         prepared = self.prepare(request)
-        self.pool.check_admission(prepared.sampling.n)
         return Generation(prepared, self.router, self._tokenizer()).updates(deadline)
 
     async def generate(

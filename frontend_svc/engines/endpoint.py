@@ -44,7 +44,6 @@ class EngineEndpoint:
         self.model_info: ModelInfo | None = None
         self.reported_load: EngineLoad | None = None
         self.num_in_flight = 0  # this frontend's engine calls on it
-        self.num_awaiting_output = 0  # of which have had no response yet
         self.num_picked = 0
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -22,6 +22,7 @@ class EnginePool:
         self.make_endpoint = make_endpoint
         self.max_waiting_requests = max_waiting_requests
         self.endpoints: dict[str, EngineEndpoint] = {}
+        self.num_unanswered = 0  # admitted choices whose engine has not answered yet
         self._listeners: list[asyncio.Event] = []
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -69,14 +70,15 @@ class EnginePool:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for the engines: this frontend's calls that have had no response
-        yet, or what the engines report (every frontend's), whichever is more."""
-        own = sum(e.num_awaiting_output for e in self.endpoints.values())
+        """Requests waiting for their first token: this frontend's, or what the engines
+        report waiting (every frontend's, a poll late), whichever is more."""
         reported = sum(e.num_reported_waiting for e in self.available)
-        return max(own, reported)
+        return max(self.num_unanswered, reported)
 
-    def check_admission(self, num_new: int) -> None:
-        """Refuse new work when the queue is full, or when no engine could take it."""
+    def admit(self, num_new: int) -> None:
+        """Count `num_new` engine requests as waiting (`answered` uncounts them), or refuse
+        them when the queue is full or no engine could take them. Check and count happen
+        together, so a burst cannot slip past the limit."""
         if not self.available:
             raise EngineUnavailableError(self._no_engine_message())
         waiting = self.num_waiting
@@ -85,6 +87,10 @@ class EnginePool:
                 f"{waiting} requests are waiting for an engine; the limit is "
                 f"{self.max_waiting_requests}"
             )
+        self.num_unanswered += num_new
+
+    def answered(self, num: int = 1) -> None:
+        self.num_unanswered -= num
 
     def pick(self, exclude: Collection[str] = ()) -> EngineEndpoint:
         """The available engine with the lowest load per rank; among equals, the one picked

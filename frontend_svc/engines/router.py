@@ -64,24 +64,16 @@ class EngineRouter:
     async def _call(
         self, endpoint: EngineEndpoint, request: EngineRequest, deadline: float | None
     ) -> AsyncGenerator[EngineOutput, None]:
+        timeout = _time_left(deadline)
         with endpoint.track_call():
-            endpoint.num_awaiting_output += 1
-            is_awaiting = True
-            call = endpoint.stub.Generate(
-                to_generate_request(request), timeout=_time_left(deadline)
-            )
+            call = endpoint.stub.Generate(to_generate_request(request), timeout=timeout)
             try:
                 async for response in call:
-                    if is_awaiting:
-                        endpoint.num_awaiting_output -= 1
-                        is_awaiting = False
                     output = to_engine_output(response)
                     if output.finish_reason == FinishReason.ERROR:
                         raise EngineRequestFailed(output.error or "the engine failed the request")
                     yield output
             finally:
-                if is_awaiting:
-                    endpoint.num_awaiting_output -= 1
                 # A no-op after the last message; otherwise the engine aborts the request.
                 call.cancel()
 

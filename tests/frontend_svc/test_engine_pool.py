@@ -25,7 +25,7 @@ class FakeEndpoint(EngineEndpoint):
         self.address, self.on_change = address, on_change
         self.is_serving, self.suspended_until = True, 0.0
         self.model_info, self.reported_load = None, None
-        self.num_in_flight = self.num_awaiting_output = self.num_picked = 0
+        self.num_in_flight = self.num_picked = 0
         self.closed = False
 
     def start(self) -> None:
@@ -76,13 +76,20 @@ def test_unhealthy_suspended_and_excluded_engines_are_skipped() -> None:
 
 def test_admission_refuses_when_the_queue_is_full_or_no_engine_serves() -> None:
     pool = make_pool(["a:1"], max_waiting=4)
-    pool.endpoints["a:1"].num_awaiting_output = 3
-    pool.check_admission(1)
+    pool.admit(3)
+    pool.admit(1)
     with pytest.raises(EngineOverloadedError):
-        pool.check_admission(2)  # n = 2 would make 5 waiting
+        pool.admit(1)  # a fifth waiting request
+    pool.answered(2)
+    pool.admit(2)  # room again once engines answered
+    assert pool.num_waiting == 4
+    pool.endpoints["a:1"].reported_load = EngineLoad(num_running=0, num_waiting=9, num_ranks=1)
+    pool.answered(4)
+    with pytest.raises(EngineOverloadedError):
+        pool.admit(1)  # other frontends' requests fill the engine's queue
     pool.endpoints["a:1"].is_serving = False
     with pytest.raises(EngineUnavailableError):
-        pool.check_admission(1)
+        pool.admit(1)
 
 
 def test_addresses_that_stop_resolving_are_closed() -> None:

@@ -57,6 +57,8 @@ async def frontend_for(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield frontend_pb2_grpc.GenerationServiceStub(channel)
+        # However requests ended, none is still counted as waiting (admission would leak).
+        await wait_for(lambda: pool.num_unanswered == 0, timeout_s=2.0)
     finally:
         await server.stop(grace=None)
         await pool.close()
