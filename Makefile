@@ -9,7 +9,7 @@ TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install tools model proto test k8s-check run demo run-engine run-frontend bench lint clean
+.PHONY: install tools prometheus model proto test k8s-check run demo run-engine run-frontend bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,14 @@ $(TOOLS_STAMP): $(CHECKOV_LOCK)
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r $(CHECKOV_LOCK)
 	touch $(TOOLS_STAMP)
 
-tools: $(TOOLS_STAMP)
+tools: $(TOOLS_STAMP) prometheus
+
+# Prometheus and promtool (Debian's prometheus package, as root): the metrics tests run a real
+# Prometheus and `promtool check metrics`. Quick when both are already installed.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends prometheus)
 
 # Python code (and mypy stubs) for every .proto under protos/, into the git-ignored gen/.
 # shared/protos.py is the one import point for it.
@@ -51,7 +58,7 @@ lint: $(GEN_STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy engine_svc frontend_svc shared
 
-test: $(GEN_STAMP) $(TOOLS_STAMP)
+test: $(GEN_STAMP) $(TOOLS_STAMP) prometheus
 	@$(PY) -m shared.model_store >/dev/null
 	$(MAKE) lint
 	$(PY) -m pytest -q -ra
@@ -59,7 +66,7 @@ test: $(GEN_STAMP) $(TOOLS_STAMP)
 # The Kubernetes manifests, Dockerfiles and dashboard (kubectl kustomize, kubernetes-validate,
 # checkov, yamllint, hadolint), and buf breaking against the previous commit; make test runs
 # these too.
-k8s-check: $(GEN_STAMP) $(TOOLS_STAMP)
+k8s-check: $(GEN_STAMP) $(TOOLS_STAMP) prometheus
 	$(PY) -m pytest -q tests/k8s tests/protos
 
 # Engine and frontend on 127.0.0.1 (ports 50061, 50051) with the default model: waits until
