@@ -19,7 +19,7 @@ from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_s
 from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
 from shared.metrics.grpc_server import GrpcServerMetrics
-from shared.metrics.http_server import MetricsServer
+from shared.metrics.http_server import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +48,12 @@ class ServiceOptions:
 async def serve(config: EngineConfig, options: ServiceOptions) -> int:
     """Run the service, its metrics on their own port; returns the process exit code."""
     registry = CollectorRegistry()
-    try:
-        metrics_server = MetricsServer(registry, options.host, options.metrics_port)
-    except OSError as error:
-        logger.error("cannot serve metrics on %s:%d: %s", options.host, options.metrics_port, error)
-        return 1
+    metrics_server = start_metrics_server(registry, options.host, options.metrics_port)
     try:
         return await _serve(config, options, registry)
     finally:
-        metrics_server.close()
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 async def _serve(config: EngineConfig, options: ServiceOptions, registry: CollectorRegistry) -> int:

@@ -44,6 +44,16 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
+    """The endpoint, or None (logged as an error) when the port cannot be bound: a service
+    still serves without metrics, and Prometheus reports the target down."""
+    try:
+        return MetricsServer(registry, host, port)
+    except OSError as error:
+        logger.error("no metrics: cannot serve them on %s:%d: %s", host, port, error)
+        return None
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
     registry: CollectorRegistry  # set on the subclass each server makes
 

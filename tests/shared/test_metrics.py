@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from shared.metrics import catalog
 from shared.metrics.grpc_server import GrpcServerMetrics
-from shared.metrics.http_server import MetricsServer
+from shared.metrics.http_server import MetricsServer, start_metrics_server
 from shared.metrics.requests import RequestMetrics
 from tests.shared.metrics_helpers import promtool_problems
 
@@ -222,3 +222,14 @@ def test_the_endpoint_serves_vllm_names_as_text_and_frees_its_port_on_close() ->
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the scrape's TIME_WAIT
         sock.bind(("127.0.0.1", server.port))  # nobody listens there any more
+
+
+def test_a_busy_metrics_port_is_logged_and_the_service_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert start_metrics_server(CollectorRegistry(), "127.0.0.1", port) is None
+    assert f"cannot serve them on 127.0.0.1:{port}" in caplog.text
