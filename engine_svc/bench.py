@@ -221,6 +221,24 @@ def print_table(summary: Summary, dtype: str) -> None:
     print(ceiling.describe(summary))
 
 
+def measure_structured(args: argparse.Namespace) -> Summary:
+    """Engine steps per second with 32 JSON-schema requests against 32 free ones."""
+    from engine_svc import LLM
+    from engine_svc.bench_structured import compare
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_kv_blocks=1024)
+    try:
+        figures = compare(llm)
+    finally:
+        llm.shutdown()
+    print(
+        f"structured output: {figures['steps_per_s_json']:.2f} steps/s with 32 JSON-schema "
+        f"requests, {figures['steps_per_s_free']:.2f} with 32 free ones "
+        f"({figures['json_over_free']:.2f}x)"
+    )
+    return dict(figures)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
@@ -232,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--skip-structured", action="store_true", help="skip the structured-output step rate"
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
@@ -255,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(
         workload, ours, hf, ceilings, ceiling.count_parameters(args.model), bytes_per_param
     )
+    if not args.skip_structured:
+        summary.update(measure_structured(args))
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
 
