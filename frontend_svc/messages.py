@@ -40,6 +40,11 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logprobs: int | None = None
+    # Structured output (at most one), enforced by the engine.
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
     # Applied by the frontend, never sent to an engine.
     n: int = 1
     stop: tuple[str, ...] = ()

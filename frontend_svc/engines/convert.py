@@ -52,6 +52,14 @@ def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
         value = getattr(sampling, name)
         if value is not None:
             setattr(params, name, value)
+    if sampling.json_schema is not None:
+        params.json_schema = sampling.json_schema
+    elif sampling.json_object:
+        params.json_object = True
+    elif sampling.regex is not None:
+        params.regex = sampling.regex
+    elif sampling.choice is not None:
+        params.choice.choices.extend(sampling.choice)
     return params
 
 

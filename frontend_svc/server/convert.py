@@ -4,7 +4,7 @@ knows both. Structure only; the checks live in frontend_svc.validation."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from frontend_svc.messages import (
     ChatMessage,
@@ -68,7 +68,17 @@ def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
         skip_special_tokens=(
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
         ),
+        **_constraint_options(params),
     )
+
+
+def _constraint_options(params: pb.SamplingParams) -> dict[str, Any]:
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return {}
+    if kind == "choice":
+        return {"choice": tuple(params.choice.choices)}
+    return {kind: getattr(params, kind)}
 
 
 def to_generate_response(update: GenerationUpdate) -> pb.GenerateResponse:

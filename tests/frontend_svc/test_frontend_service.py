@@ -5,6 +5,8 @@ exactly and abort the engine request, n > 1, chat, and two frontends agree."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -258,6 +260,10 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
         ({"prompt": "word " * 1100}, "prompt"),
         ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids"),
         ({"messages": [pb.ChatMessage(role="", content="x")]}, "messages[0].role"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(regex="[0-9")},
+         "sampling_params.regex"),  # refused by the engine's server before its busy loop
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},
+         "sampling_params.json_schema"),
     ],
 )  # fmt: skip
 def test_bad_input_is_invalid_argument_naming_the_field(
@@ -289,3 +295,31 @@ def test_model_info_health_and_reflection(services: Services, tiny_model_dir: Pa
     assert (info.num_engines, info.num_healthy_engines) == (1, 1)
     names = {s.name for s in answer.list_services_response.service}
     assert {"frontend.v1.GenerationService", "grpc.health.v1.Health"} <= names
+
+
+def test_structured_output_constrains_every_choice(services: Services) -> None:
+    # Bounded by construction: a random tiny model would run an unbounded integer to the limit.
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        }
+    )
+    constraints = {
+        "regex": ({"regex": "[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
+        "choice": (
+            {"choice": pb.ChoiceConstraint(choices=["yes", "no", "maybe"])},
+            lambda t: t in ("yes", "no", "maybe"),
+        ),
+        "json_schema": ({"json_schema": schema}, lambda t: isinstance(json.loads(t)["ok"], bool)),
+    }
+    for name, (fields, check) in constraints.items():
+        params = pb.SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=3, **fields)
+        request = pb.GenerateRequest(prompt="Answer:", sampling_params=params)
+        (response,) = generate_all(services.frontend.address, [request])
+        assert len(response.choices) == 3
+        for choice in response.choices:
+            assert choice.finish_reason == pb.FINISH_REASON_STOP, (name, choice.text)
+            assert check(choice.text), (name, choice.text)
