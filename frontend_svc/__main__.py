@@ -26,8 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     add("--port", type=int, default=50051, help="gRPC port (default: %(default)s)")
-    # Metrics arrive in a later issue; the flag is accepted now so deployments need not change.
-    add("--metrics-port", type=int, default=8000, help="Prometheus port (not served yet)")
+    add(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="Prometheus metrics on http://HOST:PORT/metrics (default: %(default)s)",
+    )
     add("--tokenizer", type=Path, help="tokenizer directory (default: fetch from an engine)")
     add(
         "--max-waiting-requests",
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         engines=engines,
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         tokenizer_dir=args.tokenizer,
         max_waiting_requests=args.max_waiting_requests,
         engine_poll_interval_s=args.engine_poll_interval,

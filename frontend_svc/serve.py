@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
 
 from frontend_svc.engines.endpoint import EngineEndpoint
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.resolver import AddressResolver
 from frontend_svc.engines.tokenizer_fetch import fetch_tokenizer
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
 from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
+from shared.metrics.http_server import start_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ class FrontendOptions:
     engines: tuple[str, ...] = ("127.0.0.1:50061",)
     host: str = "127.0.0.1"
     port: int = 50051
+    metrics_port: int = 8000  # Prometheus text on http://host:metrics_port/metrics
     tokenizer_dir: Path | None = None  # None: fetch from an engine's GetTokenizer
     max_waiting_requests: int = 1024
     engine_poll_interval_s: float = 0.5
@@ -43,13 +47,27 @@ class FrontendOptions:
 
 
 async def serve(options: FrontendOptions) -> int:
-    """Run the service; returns the process exit code."""
+    """Run the service, its metrics on their own port; returns the process exit code."""
+    metrics = FrontendMetrics(CollectorRegistry())
+    metrics_server = start_metrics_server(metrics.registry, options.host, options.metrics_port)
+    try:
+        return await _serve(options, metrics)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+
+
+async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
     pool = EnginePool(
         _endpoint_factory(options.engine_poll_interval_s), options.max_waiting_requests
     )
-    frontend = Frontend(pool)
+    frontend = Frontend(pool, metrics=metrics)
     server, health_servicer = build_server(
-        GenerationServicer(frontend), options.host, options.port, options.max_message_bytes
+        GenerationServicer(frontend),
+        options.host,
+        options.port,
+        options.max_message_bytes,
+        interceptors=[metrics.grpc_interceptor],
     )
     resolver = AddressResolver(options.engines, pool.set_addresses, options.resolve_interval_s)
     stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()

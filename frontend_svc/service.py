@@ -11,6 +11,7 @@ from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.router import EngineRouter
 from frontend_svc.generation import Generation, PreparedRequest, collect
 from frontend_svc.messages import ChatMessage, GenerationRequest, GenerationUpdate, ModelInfo
+from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.validation import validate_prompt, validate_request, validate_tokenize_input
 from shared.errors import EngineUnavailableError
@@ -25,10 +26,16 @@ class ServiceInfo:
 
 
 class Frontend:
-    def __init__(self, pool: EnginePool, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        tokenizer: Tokenizer | None = None,
+        metrics: FrontendMetrics | None = None,
+    ) -> None:
         self.pool = pool
         self.router = EngineRouter(pool)
         self.tokenizer = tokenizer  # None until loaded (possibly from an engine) at start-up
+        self.metrics = metrics
 
     @property
     def is_ready(self) -> bool:
@@ -44,7 +51,11 @@ class Frontend:
         """Updates as the choices advance. Bad input raises at once; overload and no engine
         on the first iteration; both before anything is sent."""
         prepared = self.prepare(request)
-        return Generation(prepared, self.router, self._tokenizer()).updates(deadline)
+        updates = Generation(prepared, self.router, self._tokenizer()).updates(deadline)
+        if self.metrics is None:
+            return updates
+        num_prompt_tokens = len(prepared.prompt_token_ids)
+        return self.metrics.track(self.model_info(), num_prompt_tokens, updates)
 
     async def generate(
         self, request: GenerationRequest, deadline: float | None

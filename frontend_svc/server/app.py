@@ -3,6 +3,8 @@ and the message size limits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -19,16 +21,18 @@ def build_server(
     host: str,
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The server, bound but not started, and its health servicer (NOT_SERVING until told)."""
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # gRPC sets SO_REUSEPORT by default: a second server on a busy port would
             # silently share it instead of failing.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     frontend_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -35,10 +35,13 @@ class FrontendProcess(ServiceProcess):
     def __init__(self, engines: list[str], log_path: Path, *extra_args: str) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
         command = [
             sys.executable, "-m", "frontend_svc", "--engine", *engines, "--host", "127.0.0.1",
-            "--port", str(self.port), "--engine-poll-interval", "0.2", *extra_args,
+            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--engine-poll-interval", "0.2", *extra_args,
         ]  # fmt: skip
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
