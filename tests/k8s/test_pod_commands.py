@@ -54,7 +54,10 @@ def _command(
     environment = _environment(manifests, container)
     args = []
     for arg in container["args"]:
-        flag, _, value = arg.partition("=")
+        flag, equals, value = arg.partition("=")
+        if not equals:
+            args.append(flag)  # a switch such as --no-request-metrics
+            continue
         value = overrides.get(flag, _VARIABLE.sub(lambda m: environment[m.group(1)], value))
         args.append(f"{flag}={value}")
     return args, environment
