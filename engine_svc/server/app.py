@@ -1,5 +1,6 @@
-"""Builds the grpc.aio server: EngineCoreService, the standard health service, reflection,
-and the message size limits."""
+"""Builds the grpc.aio server: EngineCoreService, vLLM's VllmEngine over the same engine
+client (for gateways such as smg), the standard health service, reflection, and the message
+size limits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine_svc.server import vllm_compat
 from engine_svc.server.servicer import EngineCoreServicer
 from shared.protos import engine_pb2, engine_pb2_grpc
 
@@ -35,21 +37,23 @@ def build_server(
         ],
     )
     engine_pb2_grpc.add_EngineCoreServiceServicer_to_server(servicer, server)
+    vllm_compat.add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [SERVICE_NAME, vllm_compat.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+        server,
     )
     server.add_insecure_port(f"{host}:{port}")
     return server, health_servicer
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    """The overall status ("") and the engine service's, together."""
+    """The overall status ("") and each engine service's, together."""
     status = (
         health_pb2.HealthCheckResponse.SERVING
         if serving
         else health_pb2.HealthCheckResponse.NOT_SERVING
     )
-    for service in ("", SERVICE_NAME):
+    for service in ("", SERVICE_NAME, vllm_compat.SERVICE_NAME):
         await health_servicer.set(service, status)
