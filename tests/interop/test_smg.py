@@ -1,0 +1,85 @@
+"""The OpenAI route: the `openai` client -> smg (tokenizer, chat template, detokenizer)
+-> vllm.grpc.engine.VllmEngine on our engine. smg's text must be our frontend's text."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionUserMessageParam
+
+from shared.frontend_protos import frontend_pb2 as fpb
+from shared.frontend_protos import frontend_pb2_grpc
+from tests.interop.processes import FrontendProcess, SmgProcess
+from tests.interop.witness import EngineWitness
+
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+MESSAGES: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture
+def openai_client(smg: SmgProcess) -> OpenAI:
+    return OpenAI(base_url=f"{smg.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def frontend_generate(frontend: FrontendProcess, **request: object) -> fpb.GenerateResponse:
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = frontend_pb2_grpc.GenerationServiceStub(channel)
+        return stub.Generate(fpb.GenerateRequest(**request), timeout=60)  # type: ignore[arg-type]
+
+
+def test_greedy_completion_matches_frontend(
+    openai_client: OpenAI, frontend: FrontendProcess, model_name: str
+) -> None:
+    completion = openai_client.completions.create(
+        model=model_name, prompt=PROMPT, temperature=0, max_tokens=16
+    )
+    ours = frontend_generate(
+        frontend, prompt=PROMPT, sampling_params=fpb.SamplingParams(temperature=0, max_tokens=16)
+    )
+    [choice] = completion.choices
+    assert choice.text == ours.choices[0].text and choice.text
+    assert choice.finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 16
+    assert completion.usage.prompt_tokens == ours.usage.prompt_tokens
+
+
+def test_streamed_chat_completion(
+    openai_client: OpenAI, frontend: FrontendProcess, model_name: str
+) -> None:
+    stream = openai_client.chat.completions.create(
+        model=model_name, messages=MESSAGES, temperature=0, max_tokens=12, stream=True
+    )
+    chunks = [chunk for chunk in stream if chunk.choices]
+    deltas = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices[0].delta.content]
+    assert len(deltas) >= 2
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # smg rendered the model's chat template itself: the same prompt as our frontend's.
+    ours = frontend_generate(
+        frontend,
+        messages=[fpb.ChatMessage(role="user", content=QUESTION)],
+        sampling_params=fpb.SamplingParams(temperature=0, max_tokens=12),
+    )
+    assert "".join(deltas) == ours.choices[0].text
+
+
+def test_client_disconnect_aborts_the_engine_request(
+    openai_client: OpenAI, witness: EngineWitness, model_name: str
+) -> None:
+    stream = openai_client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(list(itertools.islice(stream, 3))) == 3
+    assert witness.num_requests() == 2
+    steps_at_close = witness.steps
+    stream.close()  # the client goes away mid-stream
+    # Gone within a few engine steps, where it had asked for 900 tokens.
+    assert witness.steps_until_alone() - steps_at_close < 50

@@ -1,0 +1,107 @@
+"""vllm.grpc.engine.VllmEngine on the engine's port, through the stubs smg-grpc-proto ships:
+what a gateway that speaks vLLM's contract sees."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from tests.engine_svc.service_helpers import SERVING, ServiceProcess
+from tests.interop.witness import EngineWitness
+
+SERVICE = "vllm.grpc.engine.VllmEngine"
+
+
+@pytest.fixture
+def stub(engine: ServiceProcess) -> Iterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    with grpc.insecure_channel(engine.address) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+def generate_request(
+    request_id: str, max_tokens: int, stream: bool, **sampling: object
+) -> vpb.GenerateRequest:
+    return vpb.GenerateRequest(
+        request_id=request_id,
+        tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3, 4]),
+        sampling_params=vpb.SamplingParams(temperature=0, max_tokens=max_tokens, **sampling),
+        stream=stream,
+    )
+
+
+def test_health_and_model_info(
+    engine: ServiceProcess, stub: vllm_engine_pb2_grpc.VllmEngineStub, tiny_model_dir: Path
+) -> None:
+    assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=5).healthy
+    with grpc.insecure_channel(engine.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status
+    assert status == SERVING
+    info = stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=5)
+    assert Path(info.tokenizer_path) == tiny_model_dir.resolve()
+    assert info.served_model_name == tiny_model_dir.name and info.vocab_size == 49152
+    server = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=5)
+    assert server.data_parallel_size == 1 and server.uptime_seconds > 0
+
+
+def test_streamed_and_whole_generate_agree(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    streamed = list(stub.Generate(generate_request("streamed", 8, stream=True), timeout=60))
+    [whole] = stub.Generate(generate_request("whole", 8, stream=False), timeout=60)
+    *chunks, last = streamed
+    assert all(response.WhichOneof("response") == "chunk" for response in chunks)
+    token_ids = [t for response in chunks for t in response.chunk.token_ids]
+    assert list(last.complete.output_ids) == token_ids == list(whole.complete.output_ids)
+    assert len(token_ids) == 8 and whole.complete.finish_reason == "length"
+    assert whole.complete.prompt_tokens == 4 and whole.complete.completion_tokens == 8
+
+
+def test_abort_ends_the_stream_as_aborted(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    responses = stub.Generate(generate_request("to-abort", 900, True, ignore_eos=True), timeout=60)
+    assert next(responses).WhichOneof("response") == "chunk"
+    stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=5)
+    last = list(responses)[-1]
+    assert last.complete.finish_reason == "abort"
+    assert last.complete.completion_tokens < 100  # of 900 asked for
+
+
+def test_cancelling_the_call_aborts_the_request(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, witness: EngineWitness
+) -> None:
+    call = stub.Generate(generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60)
+    next(call)
+    steps_at_cancel = witness.steps
+    call.cancel()
+    assert witness.steps_until_alone() - steps_at_cancel < 50
+    load = stub.GetLoads(vpb.GetLoadsRequest(), timeout=5).loads[0]
+    assert load.num_running_reqs + load.num_waiting_reqs == 1  # the witness
+
+
+def test_get_tokenizer_sends_a_verifiable_archive(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    archive = b"".join(chunk.data for chunk in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(archive).hexdigest()
+    assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(archive)).namelist()
+
+
+def test_invalid_requests_name_the_field(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(generate_request("bad", 8, True, top_p=2.0), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.top_p" in (caught.value.details() or "")
+
+
+def test_flush_cache_waits_for_idle(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    # With a timeout it retries while other tests' aborted requests still hold KV blocks.
+    flushed = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=20)
+    assert flushed.success, flushed.message
