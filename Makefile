@@ -55,6 +55,7 @@ model: $(STAMP)
 
 lint: $(GEN_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy engine_svc frontend_svc shared
 
