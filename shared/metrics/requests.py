@@ -2,11 +2,11 @@
 queue/prefill/decode phases, prompt and generation lengths, finished requests by reason),
 recorded from timings a service measures itself.
 
-The frontend's hook, per request (clock: time.monotonic()):
+Per request, as frontend_svc/metrics.py does (clock: time.monotonic()):
 
-    timer = request_metrics.start_request(engine="10.0.0.3:50061", num_prompt_tokens=12)
-    for delta in engine_stream:
-        timer.on_tokens(len(delta.token_ids))
+    timer = request_metrics.start_request(engine="", num_prompt_tokens=12)
+    for update in updates:
+        timer.on_tokens(num_new_tokens)  # 0 is fine: no gap is recorded
     timer.finish("stop")  # or "length", "abort", "error"; nothing is recorded without it
 """
 
