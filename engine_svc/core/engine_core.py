@@ -104,8 +104,8 @@ class EngineCore:
                 # forward catches fixed costs, the estimate covers the part that grows
                 # with the batch, and a full-size forward would add seconds to each start.
                 profile_tokens = min(max_batched_tokens, CPU_PROFILE_TOKENS)
-            measured = runner.profile_activation_bytes(
-                profile_tokens, min(num_seqs, profile_tokens)
+            measured = self.executor.run_on_worker(
+                runner.profile_activation_bytes, profile_tokens, min(num_seqs, profile_tokens)
             )
             estimated = runner.estimate_activation_bytes(max_batched_tokens, num_seqs)
             activation = max(measured, estimated)
@@ -119,7 +119,7 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             num_blocks_override=self.config.num_kv_blocks,
         )
-        runner.allocate_kv_cache(plan.num_blocks)
+        self.executor.run_on_worker(runner.allocate_kv_cache, plan.num_blocks)
         logger.info("%s", plan.describe())
         return plan
 
