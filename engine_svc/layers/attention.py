@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     is_causal: bool = True
+    # Gathered K and V of the decodes, reused by every layer of the step: a fresh multi-MB
+    # tensor per layer comes from mmap and pays a page fault for each 4 KiB it touches.
+    decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def paged_attention(
@@ -87,8 +90,12 @@ def _decode_attention(
     table = meta.decode_block_tables.flatten()
     context = meta.decode_block_tables.shape[1] * k_cache.shape[1]
     shape = (num_seqs, context, num_kv_heads, head_dim)
-    keys = k_cache.flatten(1).index_select(0, table).view(shape)
-    values = v_cache.flatten(1).index_select(0, table).view(shape)
+    if meta.decode_kv_buffers is None:
+        rows = (len(table), k_cache[0].numel())
+        meta.decode_kv_buffers = (k_cache.new_empty(rows), v_cache.new_empty(rows))
+    key_rows, value_rows = meta.decode_kv_buffers
+    keys = torch.index_select(k_cache.flatten(1), 0, table, out=key_rows).view(shape)
+    values = torch.index_select(v_cache.flatten(1), 0, table, out=value_rows).view(shape)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # The query heads of one KV head act as a group of queries: no K/V repetition needed.
     queries = q.view(num_seqs, num_kv_heads, group, head_dim)
