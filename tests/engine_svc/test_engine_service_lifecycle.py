@@ -152,33 +152,43 @@ def test_data_parallel_2_spreads_20_requests_over_both_ranks(
 ) -> None:
     service = launch("--data-parallel-size", "2")
     assert len(service.engine_pids()) == 2
-    requests = _long_requests(20, 200, "dp")
+    # Long enough that none can finish while the loads are read: each rank must hold its 10.
+    requests = _long_requests(20, 900, "dp")
 
-    async def body() -> tuple[list[StreamResult], list[int]]:
+    async def loads(stub: engine_pb2_grpc.EngineCoreServiceStub) -> list[int]:
+        response = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
+        by_rank = {load.rank: load.num_running + load.num_waiting for load in response.loads}
+        return [by_rank[rank] for rank in sorted(by_rank)]
+
+    async def body() -> tuple[list[StreamResult], list[int], list[int]]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = engine_stub(channel)
-            results = [StreamResult() for _ in requests]
-            streams = asyncio.gather(
-                *(consume(stub, r, res) for r, res in zip(requests, results, strict=True))
-            )
-            # Ranks may start at different speeds: record the most each one held at once.
-            most_held = [0, 0]
-            while not streams.done():
-                for load in (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads:
-                    held = load.num_running + load.num_waiting
-                    most_held[load.rank] = max(most_held[load.rank], held)
-                await asyncio.sleep(0.01)
-            await streams
-            return results, most_held
+            results, tasks = await _start_streams(stub, requests)
+            held = await loads(stub)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            # Cancelled streams are aborted in the engines: both ranks drain to nothing.
+            deadline = time.monotonic() + 10
+            after = await loads(stub)
+            while after != [0, 0] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                after = await loads(stub)
+            return results, held, after
 
-    results, most_held = run_async(body)
-    assert most_held == [10, 10]
+    results, held, after = run_async(body)
+    assert held == [10, 10]
+    assert after == [0, 0]
+    received = [r.token_ids for r in results]
+    assert all(0 < len(tokens) < 900 for tokens in received)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=256)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max(len(t) for t in received), ignore_eos=True
+        )
         expected = [
             o.token_ids for o in llm.generate([list(r.prompt_token_ids) for r in requests], params)
         ]
     finally:
         llm.shutdown()
-    assert [r.token_ids for r in results] == expected
+    assert received == [e[: len(r)] for r, e in zip(received, expected, strict=True)]
