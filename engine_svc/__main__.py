@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode attention in C++ on CPU, built on first start (default: %(default)s)",
+    )
+    add(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
@@ -89,6 +95,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kernels=args.cpu_kernels,
         fail_after_steps=args.fail_after_steps,
     )
 

@@ -27,6 +27,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_concurrent_batches: int = 1  # >1: the executor pipelines batches (batch queue)
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
     fail_after_steps: int | None = None  # test hook: the forward raises after N steps
 
     def __post_init__(self) -> None:

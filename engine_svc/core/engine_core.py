@@ -62,6 +62,7 @@ class EngineCore:
             config.block_size,
             config.max_concurrent_batches,
             config.fail_after_steps,
+            config.cpu_kernels,
         )
         self.executor_failed: BaseException | None = None
         self.executor.register_failure_callback(self._on_executor_failure)

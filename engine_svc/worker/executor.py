@@ -39,6 +39,7 @@ class UniProcExecutor:
         block_size: int,
         max_concurrent_batches: int = 1,
         fail_after_steps: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         self.max_concurrent_batches = max_concurrent_batches
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
@@ -47,7 +48,7 @@ class UniProcExecutor:
         # runs a parallel op gets its own OpenMP team, and two spinning teams on a small
         # CPU slowed each decode step by half (84 vs 47 ms per token for one request).
         self.runner: ModelRunner = self.run_on_worker(
-            ModelRunner, model_dir, spec, dtype, device, block_size, fail_after_steps
+            ModelRunner, model_dir, spec, dtype, device, block_size, fail_after_steps, cpu_kernels
         )
 
     def run_on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:

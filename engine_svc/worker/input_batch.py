@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from engine_svc.core.sched.output import ScheduledRequest
-from engine_svc.layers.attention import AttentionMetadata, PrefillChunk
+from engine_svc.layers.attention import AttentionMetadata, DecodeKernelInputs, PrefillChunk
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.sampler import SamplingRow
 
@@ -46,8 +46,11 @@ def prepare_inputs(
     is_causal: bool,
     device: torch.device,
     dtype: torch.dtype,
+    decode_kernel: bool = False,
 ) -> ModelInputs:
-    """Flatten one step: single-token (decode) requests first, then prefill chunks."""
+    """Flatten one step: single-token (decode) requests first, then prefill chunks.
+    With `decode_kernel`, decodes get int32 block tables and context lengths for the C++
+    kernel instead of a padding mask."""
     decodes = [s for s in scheduled if len(s.token_ids) == 1]
     prefills = [s for s in scheduled if len(s.token_ids) > 1]
 
@@ -91,14 +94,22 @@ def prepare_inputs(
             sample_indices.append(query_start + length - 1)
             sample_ids.append(entry.request_id)
 
-    block_tables = mask = None
+    block_tables = mask = kernel_inputs = None
     if decodes:
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
-        lens = torch.tensor(context_lens, device=device)
-        keys = torch.arange(width * block_size, device=device)
-        visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
-        mask = _additive_mask(visible, dtype, device)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        if decode_kernel:
+            block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
+            kernel_inputs = DecodeKernelInputs(
+                context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+                max_context_len=max(context_lens),
+            )
+        else:
+            block_tables = torch.tensor(padded, device=device)
+            lens = torch.tensor(context_lens, device=device)
+            keys = torch.arange(width * block_size, device=device)
+            visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            mask = _additive_mask(visible, dtype, device)
 
     attention = AttentionMetadata(
         slot_mapping=torch.cat(slot_pieces).to(device),
@@ -107,6 +118,7 @@ def prepare_inputs(
         decode_mask=mask,
         prefills=chunks,
         is_causal=is_causal,
+        decode_kernel=kernel_inputs,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

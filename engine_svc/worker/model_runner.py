@@ -15,6 +15,7 @@ from engine_svc.core.sched.output import (
     PendingSample,
     SchedulerOutput,
 )
+from engine_svc.kernels import cpu_kernels_available
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
@@ -53,6 +54,7 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         fail_after_steps: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         self.spec = spec
         self.dtype = dtype
@@ -64,10 +66,14 @@ class ModelRunner:
         self.states: dict[str, RunnerRequestState] = {}
         self.num_steps = 0
         self.fail_after_steps = fail_after_steps
+        # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
+        self.decode_kernel = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # The fused, transposed weights are buffers (the rotary tables too): count both.
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -107,6 +113,7 @@ class ModelRunner:
             self.spec.is_causal,
             self.device,
             self.dtype,
+            self.decode_kernel,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         if not inputs.sample_request_ids:

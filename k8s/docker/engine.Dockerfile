@@ -38,6 +38,16 @@ COPY protos protos
 RUN mkdir gen \
     && find protos -name '*.proto' -exec /opt/protoc/bin/python -m grpc_tools.protoc -I protos \
         --python_out=gen --grpc_python_out=gen {} +
+# The C++ CPU kernels (engine_svc/kernels), built here for a portable x86-64 level (AVX2) so
+# that the runtime image needs no compiler; a node without AVX2 runs plain-torch attention.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+COPY engine_svc engine_svc
+COPY shared shared
+ENV DUOSERVE_CPU_ARCH=x86-64-v3 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
+RUN PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels
 
 FROM ${BASE_IMAGE}
 ARG DEBIAN_FRONTEND=noninteractive
@@ -51,6 +61,7 @@ RUN if ! command -v python3 >/dev/null; then \
     && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home duoserve
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /src/gen /app/gen
+COPY --from=build /opt/duoserve-kernels /opt/duoserve-kernels
 COPY shared /app/shared
 COPY engine_svc /app/engine_svc
 # Bytecode now: the root filesystem is read-only at run time.
@@ -60,7 +71,9 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONPATH=/app \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    DUOSERVE_CPU_ARCH=x86-64-v3 \
+    DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
 WORKDIR /app
 USER 10001:10001
 EXPOSE 50061 8001

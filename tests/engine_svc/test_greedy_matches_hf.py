@@ -22,6 +22,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], bool, str | None]] = {
     "prefix_caching": ({"enable_prefix_caching": True}, True, "hits"),
     "preemption": ({"num_kv_blocks": 30, "max_model_len": 400}, False, "preemptions"),
     "batch_queue": ({"max_concurrent_batches": 2, "max_num_batched_tokens": 64}, False, None),
+    # The plain-torch attention, as on CUDA or where the C++ kernels cannot build.
+    "torch_attention": ({"cpu_kernels": False}, True, None),
     "no_caching_no_chunking": (
         {"enable_prefix_caching": False, "enable_chunked_prefill": False},
         True,

@@ -1,0 +1,12 @@
+"""CPU kernels in C++, built on this machine the first time they are needed.
+
+`paged_decode_attention` reads the paged KV cache directly (engine_svc/kernels/csrc). The build
+is JIT (torch.utils.cpp_extension, `-march=native`), cached under ~/.cache/duoserve/kernels,
+one folder per CPU-feature set, so a later start only loads the library; `make install` builds it
+ahead. Where it cannot build (no compiler), or with DUOSERVE_CPU_KERNELS=0, attention takes
+the plain-torch path, which gives the same results to float rounding.
+"""
+
+from engine_svc.kernels.loader import cpu_kernels_available, paged_decode_attention
+
+__all__ = ["cpu_kernels_available", "paged_decode_attention"]

@@ -1,0 +1,201 @@
+// Decode attention straight from the paged KV cache, for CPU.
+//
+// One query token per sequence attends to its first context_lens[s] cached tokens, read
+// block by block through its block table: no gather into a padded copy, no mask over
+// padding. Work is split over (sequence, KV head) pairs on torch's intra-op thread pool;
+// the query heads that share a KV head read each K/V row once, together.
+//
+// Math is in float32 whatever the cache dtype: scores = q.k * scale, a max-subtracted
+// softmax over the context, then the probability-weighted sum of V.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace duoserve {
+namespace {
+
+struct Shape {
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t max_blocks;     // block table width
+  int64_t q_row_stride;   // elements between two sequences' queries
+  int64_t q_head_stride;  // elements between two heads of one query
+  int64_t out_row_stride;
+};
+
+// A sequence's cached rows for one task: the part [offset, offset + span) of each token's
+// row, found block by block through the block table.
+struct CachedRows {
+  const int32_t* table;
+  int64_t context_len;
+  int64_t block_size;
+  int64_t row;     // elements in one token's row of the cache (all KV heads)
+  int64_t offset;  // first element this task reads in each row
+  int64_t span;    // elements it reads there
+
+  // Calls visit(token, pointer to the task's part of that token's row) for every context
+  // token in order. The next block's rows are prefetched while this one is read: a block is a
+  // few KiB on its own in the cache, and the hardware prefetchers do not follow the table.
+  template <typename scalar_t, typename Visit>
+  void for_each(const scalar_t* cache, Visit&& visit) const {
+    prefetch(cache, 0);
+    for (int64_t start = 0; start < context_len; start += block_size) {
+      if (start + block_size < context_len) prefetch(cache, start / block_size + 1);
+      const scalar_t* rows = cache + (table[start / block_size] * block_size) * row + offset;
+      const int64_t count = std::min(block_size, context_len - start);
+      for (int64_t t = 0; t < count; ++t) visit(start + t, rows + t * row);
+    }
+  }
+
+  template <typename scalar_t>
+  void prefetch(const scalar_t* cache, int64_t block_index) const {
+    constexpr int64_t kLine = 64 / sizeof(scalar_t);
+    const scalar_t* rows = cache + (table[block_index] * block_size) * row + offset;
+    for (int64_t r = 0; r < block_size; ++r) {
+      for (int64_t e = 0; e < span; e += kLine) __builtin_prefetch(rows + r * row + e);
+    }
+  }
+};
+
+template <typename scalar_t>
+void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
+                const scalar_t* __restrict v_cache, const int32_t* __restrict table,
+                int64_t context_len, int64_t kv_begin, int64_t kv_end, const Shape& shape,
+                float scale, scalar_t* __restrict out, std::vector<float>& query,
+                std::vector<float>& scores, std::vector<float>& acc) {
+  // The query heads of KV heads [kv_begin, kv_end): `per_kv` per KV head, consecutive.
+  const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
+  const int64_t group = (kv_end - kv_begin) * per_kv;
+  const int64_t dim = shape.head_dim;
+  const int64_t first_head = kv_begin * per_kv;
+  const CachedRows rows{table, context_len, shape.block_size, shape.num_kv_heads * dim,
+                        kv_begin * dim, (kv_end - kv_begin) * dim};
+
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* src = q + (first_head + g) * shape.q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) query[g * dim + d] = static_cast<float>(src[d]);
+  }
+
+  // Scores.
+  rows.for_each(k_cache, [&](int64_t t, const scalar_t* __restrict key_row) {
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* key = key_row + (g / per_kv) * dim;
+      const float* qg = query.data() + g * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+      scores[g * context_len + t] = dot * scale;
+    }
+  });
+
+  // Softmax per query head; keep 1 / sum for the end.
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * context_len;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < context_len; ++t) {
+      s[t] = std::exp(s[t] - max_score);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+
+  // Probability-weighted sum of V.
+  std::fill(acc.begin(), acc.begin() + group * dim, 0.0f);
+  rows.for_each(v_cache, [&](int64_t t, const scalar_t* __restrict value_row) {
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* value = value_row + (g / per_kv) * dim;
+      const float p = scores[g * context_len + t];
+      float* a = acc.data() + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    scalar_t* dst = out + (first_head + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, int64_t max_context_len,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [seqs, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1, "q's head_dim must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
+              "block_tables must be contiguous int32 [seqs, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "context_lens must be contiguous int32 [seqs]");
+  const Shape shape{q.size(1),         k_cache.size(2),   k_cache.size(3), k_cache.size(1),
+                    block_tables.size(1), q.stride(0),    q.stride(1),     q.size(1) * q.size(2)};
+  TORCH_CHECK(q.size(2) == shape.head_dim, "q and the caches differ in head_dim");
+  TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "heads must be a multiple of kv_heads");
+
+  const int64_t num_seqs = q.size(0);
+  auto out = at::empty({num_seqs, shape.num_heads, shape.head_dim}, q.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context_len &&
+                    lens[s] <= shape.max_blocks * shape.block_size,
+                "context_lens[", s, "] = ", lens[s], " is out of range");
+  }
+  // Many sequences: one task each, reading whole cache rows (every KV head) in order.
+  // Few (a lone request): one task per (sequence, KV head), so every thread has work.
+  const int64_t kv_per_task =
+      num_seqs >= 4 * at::get_num_threads() ? shape.num_kv_heads : 1;
+  const int64_t tasks_per_seq = shape.num_kv_heads / kv_per_task;
+  const int64_t heads_per_task = kv_per_task * (shape.num_heads / shape.num_kv_heads);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+        const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+        const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+        const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+        scalar_t* out_ptr = out.data_ptr<scalar_t>();
+        at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> query(heads_per_task * shape.head_dim);
+          std::vector<float> scores(heads_per_task * max_context_len);
+          std::vector<float> acc(heads_per_task * shape.head_dim);
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t s = task / tasks_per_seq;
+            const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
+            attend_one<scalar_t>(q_ptr + s * shape.q_row_stride, k_ptr, v_ptr,
+                                 tables + s * shape.max_blocks, lens[s], kv_begin,
+                                 kv_begin + kv_per_task, shape, static_cast<float>(scale),
+                                 out_ptr + s * shape.out_row_stride, query, scores, acc);
+          }
+        });
+      });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(duoserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, int max_context_len, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(duoserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+
+}  // namespace duoserve
