@@ -3,6 +3,9 @@ prompts, with the machine's GEMM and copy ceilings measured in the same run (DES
 
     python -m engine_svc.bench --model DIR [--skip-hf]
 
+Each system runs in a fresh process of its own (`--system`, the result back as JSON), so
+neither inherits the other's threads, allocator settings or warm memory: our engine tunes
+glibc malloc for its process, and Hugging Face is measured as its users run it.
 Prints a table, then one JSON line with every figure.
 """
 
@@ -13,9 +16,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -253,7 +260,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-structured", action="store_true", help="skip the structured-output step rate"
     )
+    # Internal: measure one system in this process and write its figures as JSON.
+    parser.add_argument("--system", choices=["ours", "hf", "structured"], help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.system is not None and not args.result_file:
+        parser.error("--system needs --result-file")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.num_prompts < 1 or args.output_len < 1:
@@ -263,15 +276,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    num_threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(num_threads)
+    if args.system is not None:
+        _measure_here(args)
+        return
+    ours = SystemResult(**_in_subprocess(args, "ours"))
+    structured = {} if args.skip_structured else _in_subprocess(args, "structured")
+    hf = None if args.skip_hf else SystemResult(**_in_subprocess(args, "hf"))
     config = json.loads((Path(args.model) / "config.json").read_text())
     workload = make_workload(args, config["vocab_size"])
-    # The engine first, before this thread runs any parallel torch op: a second OpenMP
-    # team spinning beside the engine's model-runner thread would slow it down.
-    ours = measure_system(lambda: engine_system(args, num_threads), workload)
-    structured = {} if args.skip_structured else measure_structured(args)
-    hf = None if args.skip_hf else measure_system(lambda: hf_system(args), workload)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     # Measured twice: on a shared machine one of the two may be contended.
     ceilings = ceiling.measure_ceilings(_DTYPES[args.dtype])
     ceilings = ceilings.best(ceiling.measure_ceilings(_DTYPES[args.dtype]))
@@ -282,6 +295,33 @@ def main(argv: list[str] | None = None) -> None:
     summary.update(structured)
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+
+
+def _in_subprocess(args: argparse.Namespace, system: str) -> dict[str, Any]:
+    """Run one system's measurement in a fresh Python; its output passes through."""
+    with tempfile.TemporaryDirectory(prefix="duoserve-bench-") as folder:
+        result = Path(folder) / "result.json"
+        command = [sys.executable, "-m", "engine_svc.bench", *args.argv]
+        subprocess.run([*command, "--system", system, "--result-file", str(result)], check=True)
+        data: dict[str, Any] = json.loads(result.read_text())
+        return data
+
+
+def _measure_here(args: argparse.Namespace) -> None:
+    num_threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(num_threads)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    workload = make_workload(args, config["vocab_size"])
+    data: dict[str, Any]
+    if args.system == "structured":
+        data = measure_structured(args)
+    elif args.system == "ours":
+        data = dataclasses.asdict(
+            measure_system(lambda: engine_system(args, num_threads), workload)
+        )
+    else:
+        data = dataclasses.asdict(measure_system(lambda: hf_system(args), workload))
+    Path(args.result_file).write_text(json.dumps(data))
 
 
 if __name__ == "__main__":

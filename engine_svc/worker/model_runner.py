@@ -6,7 +6,6 @@ import logging
 import resource
 import sys
 
-import numpy as np
 import torch
 
 from engine_svc.core.sched.output import (
@@ -20,6 +19,7 @@ from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
+from engine_svc.worker.host_memory import keep_freed_activations, zeroed_host_tensor
 from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
 from engine_svc.worker.sampler import Sampler
 
@@ -68,6 +68,8 @@ class ModelRunner:
         self.fail_after_steps = fail_after_steps
         # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
         self.decode_kernel = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
+        if device.type == "cpu":
+            keep_freed_activations()
 
     @property
     def weight_bytes(self) -> int:
@@ -87,14 +89,10 @@ class ModelRunner:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed KV tensor. Zeros matter: masked-out slots still meet the attention
-        product, and uninitialized memory could hold NaN. On CPU, numpy's calloc-backed
-        zeros come as untouched pages from the OS, so gigabytes cost no start-up time
-        (torch.zeros writes every byte)."""
+        product, and uninitialized memory could hold NaN."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[element])
-        return torch.from_numpy(raw).view(self.dtype)
+        return zeroed_host_tensor(shape, self.dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingSample:

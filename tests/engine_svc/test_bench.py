@@ -1,0 +1,28 @@
+"""`make bench` end to end on the tiny model: each system in its own process, the result back
+as JSON, the figures and the exactness count in one JSON line. Figures are not checked for
+speed (benchmarks measure speed; tests check that they run and agree with HF)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) -> None:
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "--model", str(tiny_model_dir),
+        "--num-prompts", "3", "--output-len", "4", "--min-len", "4", "--max-len", "9",
+        "--skip-structured",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["num_prompts"] == 3 and summary["output_len"] == 4
+    assert summary["outputs_equal_hf"] == 3  # greedy, the same tokens as Hugging Face
+    for key in ("ours_tok_s", "hf_tok_s", "throughput_ratio", "latency_ratio", "mfu", "mbu"):
+        assert summary[key] > 0, key
+    assert "throughput ours/HF" in done.stdout
