@@ -209,12 +209,13 @@ class ModelRunner:
 def _apply_grammar(
     logits: torch.Tensor, request_ids: list[str], grammar: GrammarBitmask
 ) -> torch.Tensor:
-    """Forbidden tokens get -inf; the raw logits stay untouched for logprobs."""
+    """Forbidden tokens get -inf, in place: the logits are this step's own, and logprobs
+    are those of the masked distribution, as in vLLM."""
     import xgrammar as xgr
 
     rows = {request_id: row for row, request_id in enumerate(request_ids)}
     indices = [rows[request_id] for request_id in grammar.request_ids]
-    masked = logits.float().clone()
+    masked = logits.float()  # no copy for float32 logits
     # xgrammar pairs bitmask row i with logits row i: lay the grammar rows out that way
     # (-1: every bit set, nothing masked) and mask only the constrained rows.
     bitmask = torch.full((len(request_ids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)

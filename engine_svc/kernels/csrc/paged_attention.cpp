@@ -85,14 +85,17 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
   }
 
   // Scores.
+  const int64_t num_kv = kv_end - kv_begin;
   rows.for_each(k_cache, [&](int64_t t, const scalar_t* __restrict key_row) {
-    for (int64_t g = 0; g < group; ++g) {
-      const scalar_t* key = key_row + (g / per_kv) * dim;
-      const float* qg = query.data() + g * dim;
-      float dot = 0.0f;
+    for (int64_t h = 0; h < num_kv; ++h) {
+      const scalar_t* key = key_row + h * dim;
+      for (int64_t g = h * per_kv; g < (h + 1) * per_kv; ++g) {
+        const float* qg = query.data() + g * dim;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-      scores[g * context_len + t] = dot * scale;
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+        scores[g * context_len + t] = dot * scale;
+      }
     }
   });
 
@@ -113,12 +116,14 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
   // Probability-weighted sum of V.
   std::fill(acc.begin(), acc.begin() + group * dim, 0.0f);
   rows.for_each(v_cache, [&](int64_t t, const scalar_t* __restrict value_row) {
-    for (int64_t g = 0; g < group; ++g) {
-      const scalar_t* value = value_row + (g / per_kv) * dim;
-      const float p = scores[g * context_len + t];
-      float* a = acc.data() + g * dim;
+    for (int64_t h = 0; h < num_kv; ++h) {
+      const scalar_t* value = value_row + h * dim;
+      for (int64_t g = h * per_kv; g < (h + 1) * per_kv; ++g) {
+        const float p = scores[g * context_len + t];
+        float* a = acc.data() + g * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
+      }
     }
   });
   for (int64_t g = 0; g < group; ++g) {
