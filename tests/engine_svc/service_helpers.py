@@ -13,12 +13,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
@@ -81,6 +83,50 @@ class ServiceProcess:
         except subprocess.TimeoutExpired as error:
             message = f"service still running after {timeout_s} s:\n{self.log()}"
             raise AssertionError(message) from error
+
+    def num_requests(self) -> int:
+        """Requests running or waiting in the engine, over every rank."""
+        with grpc.insecure_channel(self.address) as channel:
+            loads = engine_pb2_grpc.EngineCoreServiceStub(channel).GetLoads(
+                pb.GetLoadsRequest(), timeout=5
+            )
+        return sum(load.num_running + load.num_waiting for load in loads.loads)
+
+    def generation_tokens_total(self) -> int:
+        """The engine's own count of tokens it generated (vllm:generation_tokens_total)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return int(
+            sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "vllm:generation_tokens_total"
+            )
+        )
+
+    def tokens_generated_by(self, action: Callable[[], Any], timeout_s: float = 30.0) -> int:
+        """Run `action` on an idle engine; once the engine is idle again and its counter has
+        settled, the tokens it generated meanwhile. The engine's own count, so a test of an
+        abort measures what the aborted request cost, whatever the machine's speed."""
+        self.wait_idle(timeout_s)
+        before = self.generation_tokens_total()
+        action()
+        self.wait_idle(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        after = self.generation_tokens_total()
+        while time.monotonic() < deadline:  # the last steps' stats may still be on the way
+            time.sleep(0.2)
+            settled, after = after, self.generation_tokens_total()
+            if settled == after:
+                return after - before
+        raise AssertionError(f"the engine's token count still moved after {timeout_s} s")
+
+    def wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.num_requests() != 0:
+            assert time.monotonic() < deadline, f"the engine still had requests after {timeout_s} s"
+            time.sleep(0.01)
 
     def engine_pids(self) -> list[int]:
         """The spawned engine-core processes (not multiprocessing's resource tracker)."""

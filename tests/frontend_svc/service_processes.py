@@ -4,27 +4,19 @@ really aborted a request the frontend gave up on."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
 
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
-from shared.protos import engine_pb2 as pb
 from tests.engine_svc.service_helpers import (
     REPO_ROOT,
     ServiceProcess,
-    StreamResult,
-    consume,
-    engine_stub,
     free_port,
-    generate_request,
 )
 
 
@@ -76,48 +68,3 @@ async def stream_texts(
     deltas = [c.text for r in responses for c in r.choices if c.index == 0]
     token_ids = [t for r in responses for c in r.choices if c.index == 0 for t in c.token_ids]
     return deltas, token_ids, responses
-
-
-class EngineWitness:
-    """A long request sent straight to the engine. It gains one token per engine step, so
-    its token count is the engine's clock: a request the frontend stopped was aborted if
-    the engine is left running the witness alone within far fewer steps than that request
-    asked for."""
-
-    def __init__(self, engine_address: str, name: str) -> None:
-        self.engine_address = engine_address
-        self.request = generate_request(f"witness-{name}", [7, 8, 9], 1000, ignore_eos=True)
-        self.result = StreamResult()
-
-    async def __aenter__(self) -> EngineWitness:
-        self.channel = grpc.aio.insecure_channel(self.engine_address)
-        self.stub = engine_stub(self.channel)
-        self.task = asyncio.create_task(consume(self.stub, self.request, self.result))
-        await asyncio.wait_for(self.result.first_message.wait(), 30)
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        await self.channel.close()
-
-    @property
-    def steps(self) -> int:
-        return len(self.result.token_ids)
-
-    async def steps_until_alone(self, timeout_s: float = 60.0) -> int:
-        """The witness's step count when it is the engine's only request."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            loads = (await self.stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads
-            if sum(load.num_running + load.num_waiting for load in loads) == 1:
-                return self.steps
-            if self.task.done():
-                raise AssertionError("the witness finished: the engine never ran it alone")
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"the engine still had other requests after {timeout_s} s")

@@ -19,7 +19,6 @@ from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
 from tests.engine_svc.service_helpers import SERVING, ServiceProcess, run_async
 from tests.frontend_svc.service_processes import (
-    EngineWitness,
     FrontendProcess,
     frontend_stub,
     greedy,
@@ -47,6 +46,9 @@ PROMPTS = [
 ]
 MAX_TOKENS = [8 + (7 * i) % 25 for i in range(len(PROMPTS))]
 EOS_OR_LENGTH = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+# What a stopped or cancelled request asks for (the tiny model's length is 1,024): the engine's
+# own count must show it aborted long before.
+LONG_REQUEST_TOKENS = 1000
 
 
 class Services:
@@ -164,41 +166,38 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
     stop, num_tokens = _stop_spanning_two_tokens(tokenizer, list(reference.token_ids))
     cut = reference.text.index(stop) + (len(stop) if include_stop_str_in_output else 0)
     params = greedy(
-        600, ignore_eos=True, stop=["never appears", stop],
+        LONG_REQUEST_TOKENS, ignore_eos=True, stop=["never appears", stop],
         include_stop_str_in_output=include_stop_str_in_output,
     )  # fmt: skip
 
-    async def body() -> tuple[pb.Choice, int]:
-        async with EngineWitness(services.engine.address, "stop") as witness:
-            start = witness.steps
-            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
-                request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
-                response = await frontend_stub(channel).Generate(request, timeout=60)
-            return response.choices[0], await witness.steps_until_alone() - start
+    async def body() -> pb.Choice:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
+            response = await frontend_stub(channel).Generate(request, timeout=60)
+        return response.choices[0]
 
-    choice, steps = run_async(body)
+    choices: list[pb.Choice] = []
+    generated = services.engine.tokens_generated_by(lambda: choices.append(run_async(body)))
+    (choice,) = choices
     assert choice.text == reference.text[:cut]
     assert list(choice.token_ids) == list(reference.token_ids[:num_tokens])
     assert (choice.finish_reason, choice.stop_string) == (pb.FINISH_REASON_STOP, stop)
-    assert steps < 300, f"the engine ran the stopped request for {steps} steps (of 600)"
+    assert generated < LONG_REQUEST_TOKENS // 2, f"the engine generated {generated} tokens"
 
 
 def test_cancelling_mid_stream_aborts_the_engine_request(services: Services) -> None:
-    async def body() -> int:
-        async with EngineWitness(services.engine.address, "cancel") as witness:
-            start = witness.steps
-            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
-                request = pb.GenerateRequest(
-                    prompt="Cancel me", sampling_params=greedy(600, ignore_eos=True)
-                )
-                call = frontend_stub(channel).GenerateStream(request)
-                for _ in range(3):
-                    await call.read()
-                call.cancel()
-            return await witness.steps_until_alone() - start
+    async def body() -> None:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            request = pb.GenerateRequest(
+                prompt="Cancel me", sampling_params=greedy(LONG_REQUEST_TOKENS, ignore_eos=True)
+            )
+            call = frontend_stub(channel).GenerateStream(request)
+            for _ in range(3):
+                await call.read()
+            call.cancel()
 
-    steps = run_async(body)
-    assert steps < 300, f"the engine ran the cancelled request for {steps} steps (of 600)"
+    generated = services.engine.tokens_generated_by(lambda: run_async(body))
+    assert generated < LONG_REQUEST_TOKENS // 2, f"the engine generated {generated} tokens"
 
 
 def test_n_choices_use_consecutive_seeds_and_share_the_prompt_blocks(services: Services) -> None:

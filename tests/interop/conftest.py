@@ -10,7 +10,6 @@ import pytest
 
 from tests.engine_svc.service_helpers import ServiceProcess, start_service
 from tests.interop.processes import FrontendProcess, SmgProcess
-from tests.interop.witness import EngineWitness
 
 
 @pytest.fixture(scope="session")
@@ -52,10 +51,3 @@ def smg(
         yield service
     finally:
         service.stop()
-
-
-@pytest.fixture
-def witness(engine: ServiceProcess) -> Iterator[EngineWitness]:
-    witness = EngineWitness(engine)
-    yield witness
-    witness.close()
