@@ -16,7 +16,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 NAME = "duoserve_cpu_kernels"
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")
+]
 ENABLE_ENV = "DUOSERVE_CPU_KERNELS"  # "0": never build or load them
 CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duoserve/kernels)
 # -march for the build: "native" for the machine at hand (the default), or a portable level

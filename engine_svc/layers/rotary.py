@@ -59,6 +59,11 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
+    def cos_sin_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and sin as float32 [tokens, head_dim], for the fused CPU kernel
+        (which casts them to the model dtype as `cos_sin` does)."""
+        return self.cos_cache.index_select(0, positions), self.sin_cache.index_select(0, positions)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -20,17 +20,30 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally after adding the residual stream (which it then returns too).
+    `fused`: one C++ pass on CPU (engine_svc/kernels) instead of torch's five to eight."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); with no residual, (norm(x), x)."""
+        if self.fused:
+            if residual is None:
+                return torch.ops.duoserve.rms_norm(x, self.weight, self.eps), x
+            summed, normed = torch.ops.duoserve.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed, summed
+        if residual is not None:
+            x = residual + x  # Hugging Face's order
         # Computed in float32 then cast back, exactly as Hugging Face does.
-        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype), x
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -84,6 +97,7 @@ class Attention(nn.Module):
         self.v_proj = Projection(spec.hidden_size, kv_size, spec.attention_bias)
         self.o_proj = Projection(q_size, spec.hidden_size, False)
         self.split_sizes = (q_size, kv_size, kv_size)
+        self.fused_rotary = False
         self.register_buffer("qkv_weight_t", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
@@ -107,9 +121,14 @@ class Attention(nn.Module):
         assert self.qkv_weight_t is not None, "call fuse() after loading weights"
         qkv = matmul(x, self.qkv_weight_t, self.qkv_bias)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.fused_rotary:  # in place on qkv; cos and sin are float32 [tokens, head_dim]
+            torch.ops.duoserve.rotary_inplace(q, cos, sin)
+            torch.ops.duoserve.rotary_inplace(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -146,13 +165,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer), not yet
+        added to the residual stream; returns this layer's MLP output and the stream."""
+        hidden, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -172,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
             spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
         )
         self.lm_head = Projection(spec.hidden_size, spec.vocab_size, False)
+        self.fused_ops = False
 
     def finish_loading(self) -> None:
         if self.spec.tie_word_embeddings:
@@ -181,6 +206,15 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def use_fused_ops(self, enabled: bool) -> None:
+        """RMSNorm (with the residual add) and rotary as the C++ CPU kernels' single passes."""
+        self.fused_ops = enabled
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = enabled
+            elif isinstance(module, Attention):
+                module.fused_rotary = enabled
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -189,10 +223,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.fused_ops:
+            cos, sin = self.rotary.cos_sin_rows(positions)
+        else:
+            cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -67,7 +67,8 @@ class ModelRunner:
         self.num_steps = 0
         self.fail_after_steps = fail_after_steps
         # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
-        self.decode_kernel = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
+        self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
+        self.model.use_fused_ops(self.cpu_kernels)
         if device.type == "cpu":
             keep_freed_activations()
 
@@ -111,7 +112,7 @@ class ModelRunner:
             self.spec.is_causal,
             self.device,
             self.dtype,
-            self.decode_kernel,
+            self.cpu_kernels,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         if not inputs.sample_request_ids:

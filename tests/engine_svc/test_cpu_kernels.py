@@ -102,3 +102,44 @@ def test_kernel_rejects_bad_inputs_with_an_error() -> None:
         )
     with pytest.raises(RuntimeError, match="dtype"):
         paged_decode_attention(q.double(), k_cache, v_cache, tables, lens, 20, 0.125)
+
+
+# ---- fused RMSNorm and rotary --------------------------------------------------------------
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_the_residual_add_match_torch(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 576, generator=generator).to(dtype)
+    residual = torch.randn(37, 576, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=generator)).to(dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    normed = torch.ops.duoserve.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(normed, _torch_rms_norm(x, weight, 1e-5), **tolerance)
+    summed, normed = torch.ops.duoserve.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, residual + x)  # the residual stream: bit for bit
+    torch.testing.assert_close(normed, _torch_rms_norm(residual + x, weight, 1e-5), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_is_bit_identical_to_torch(dtype: torch.dtype) -> None:
+    from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    generator = torch.Generator().manual_seed(6)
+    qkv = torch.randn(6, (9 + 3 + 3) * 64, generator=generator).to(dtype)
+    q = qkv[:, : 9 * 64].view(6, 9, 64)  # a strided view, as the model has it
+    kv_before = qkv[:, 9 * 64 :].clone()
+    cos, sin = rotary.cos_sin(positions, dtype)
+    expected = apply_rotary(q, cos, sin)
+    rows_cos, rows_sin = rotary.cos_sin_rows(positions)
+    torch.ops.duoserve.rotary_inplace(q, rows_cos, rows_sin)
+    assert torch.equal(q, expected)
+    assert torch.equal(qkv[:, 9 * 64 :], kv_before)  # K and V untouched

@@ -1,0 +1,142 @@
+// Fused elementwise ops of a Llama layer, for CPU: RMSNorm (optionally after the residual
+// add) and rotary embeddings applied in place. Each is one pass over its rows where torch
+// runs five to eight kernels, each reading and writing the whole activation.
+//
+// Numerics follow Hugging Face's float32 code: the residual add and the rotary products and
+// sum are the same IEEE operations in the same order (no FMA contraction), so they are
+// bit-identical; RMSNorm's mean of squares is summed in another order than torch's, which can
+// move the result by an ulp.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace duoserve {
+namespace {
+
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_out,
+                   const scalar_t* __restrict residual_in, const scalar_t* __restrict weight,
+                   scalar_t* __restrict out, int64_t rows, int64_t width, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * width;
+      scalar_t* yr = out + r * width;
+      float sum = 0.0f;
+      if (residual_in != nullptr) {  // x + residual, kept as the new residual stream
+        const scalar_t* rr = residual_in + r * width;
+        scalar_t* sr = residual_out + r * width;
+        for (int64_t i = 0; i < width; ++i) {
+          const scalar_t v = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          sr[i] = v;
+          sum += static_cast<float>(v) * static_cast<float>(v);
+        }
+        xr = sr;
+      } else {
+        for (int64_t i = 0; i < width; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
+      for (int64_t i = 0; i < width; ++i) {
+        const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[i]) * inv);
+        yr[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+// rms_norm(x) -> weight * (x * rsqrt(mean(x^2) + eps)), rows of x contiguous.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous tensors");
+  TORCH_CHECK(x.size(-1) == weight.numel() && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: weight must match x's last dimension and dtype");
+  auto out = at::empty_like(x);
+  const int64_t width = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, nullptr, weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.numel() / width, width, eps);
+  });
+  return out;
+}
+
+// add_rms_norm(x, residual) -> (x + residual, rms_norm(x + residual)): the residual stream
+// and the next sublayer's input in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "add_rms_norm needs contiguous tensors");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: x and residual differ");
+  TORCH_CHECK(x.size(-1) == weight.numel() && x.scalar_type() == weight.scalar_type(),
+              "add_rms_norm: weight must match x's last dimension and dtype");
+  auto summed = at::empty_like(x);
+  auto out = at::empty_like(x);
+  const int64_t width = x.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), summed.data_ptr<scalar_t>(),
+                            residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.numel() / width, width, eps);
+  });
+  return {summed, out};
+}
+
+// x * cos + rotate_half(x) * sin, as three rounded operations: no FMA contraction here.
+template <typename scalar_t>
+__attribute__((optimize("fp-contract=off"))) void rotate_row(scalar_t* __restrict x,
+                                                           const float* __restrict cos,
+                                                           const float* __restrict sin,
+                                                           int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = static_cast<float>(x[i]);
+    const float b = static_cast<float>(x[i + half]);
+    const scalar_t first_cos = static_cast<scalar_t>(a * static_cast<float>(static_cast<scalar_t>(cos[i])));
+    const scalar_t first_sin = static_cast<scalar_t>(-b * static_cast<float>(static_cast<scalar_t>(sin[i])));
+    const scalar_t second_cos = static_cast<scalar_t>(b * static_cast<float>(static_cast<scalar_t>(cos[i + half])));
+    const scalar_t second_sin = static_cast<scalar_t>(a * static_cast<float>(static_cast<scalar_t>(sin[i + half])));
+    x[i] = static_cast<scalar_t>(static_cast<float>(first_cos) + static_cast<float>(first_sin));
+    x[i + half] = static_cast<scalar_t>(static_cast<float>(second_cos) + static_cast<float>(second_sin));
+  }
+}
+
+// In place on x [tokens, heads, head_dim] (a strided view, head_dim contiguous); cos and sin
+// are float32 [tokens, head_dim] in Hugging Face's (freqs, freqs) layout.
+void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [tokens, heads, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: cos and sin must be contiguous float32");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && dim % 2 == 0,
+              "rotary: cos and sin must be [tokens, head_dim]");
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    const float* c = cos.data_ptr<float>();
+    const float* s = sin.data_ptr<float>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          rotate_row<scalar_t>(base + t * token_stride + h * head_stride, c + t * dim,
+                               s + t * dim, dim / 2);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(duoserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_inplace(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_inplace", &rotary_inplace);
+}
+
+}  // namespace duoserve
