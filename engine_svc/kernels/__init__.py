@@ -1,9 +1,11 @@
 """CPU kernels in C++, built on this machine the first time they are needed.
 
-`paged_decode_attention` reads the paged KV cache directly (engine_svc/kernels/csrc). The build
+`paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
+`add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work (engine_svc/kernels/csrc,
+used by engine_svc/models/llama.py when the model runner turns them on). The build
 is JIT (torch.utils.cpp_extension, `-march=native`), cached under ~/.cache/duoserve/kernels,
-one folder per CPU-feature set, so a later start only loads the library; `make install` builds it
-ahead. Where it cannot build (no compiler), or with DUOSERVE_CPU_KERNELS=0, attention takes
+one folder per CPU-feature set, so a later start only loads the library; `make kernels` builds it
+ahead. Where it cannot build (no compiler), or with DUOSERVE_CPU_KERNELS=0, the model takes
 the plain-torch path, which gives the same results to float rounding.
 """
 
