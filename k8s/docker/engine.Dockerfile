@@ -39,7 +39,8 @@ RUN mkdir gen \
     && find protos -name '*.proto' -exec /opt/protoc/bin/python -m grpc_tools.protoc -I protos \
         --python_out=gen --grpc_python_out=gen {} +
 # The C++ CPU kernels (engine_svc/kernels), built here for a portable x86-64 level (AVX2) so
-# that the runtime image needs no compiler; a node without AVX2 runs plain-torch attention.
+# that the runtime image needs no compiler; a node without AVX2, or an image of another
+# architecture (built without them), runs the plain-torch layers.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -47,7 +48,10 @@ RUN apt-get update \
 COPY engine_svc engine_svc
 COPY shared shared
 ENV DUOSERVE_CPU_ARCH=x86-64-v3 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
-RUN PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels
+RUN mkdir -p /opt/duoserve-kernels \
+    && if [ "$(uname -m)" = x86_64 ]; then \
+        PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels; \
+    fi
 
 FROM ${BASE_IMAGE}
 ARG DEBIAN_FRONTEND=noninteractive
