@@ -70,7 +70,7 @@ def _cpu_flags() -> set[str]:
 def cpu_kernels_available() -> bool:
     """Build or load the kernels once per process; False (and a warning) when they cannot be."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
-        logger.info("CPU kernels off (%s=0): attention runs in plain torch", ENABLE_ENV)
+        logger.info("CPU kernels off (%s=0): the model runs in plain torch", ENABLE_ENV)
         return False
     if sys.platform != "linux":
         return False
@@ -81,7 +81,7 @@ def cpu_kernels_available() -> bool:
     try:
         _load()
     except Exception as error:  # no compiler, no headers: degrade, loudly
-        logger.warning("CPU kernels unavailable, attention runs in plain torch: %s", error)
+        logger.warning("CPU kernels unavailable, the model runs in plain torch: %s", error)
         return False
     return True
 

@@ -4,6 +4,11 @@ multiples, ragged), for one sequence (a task per KV head) and many (a task per s
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +148,19 @@ def test_rotary_in_place_is_bit_identical_to_torch(dtype: torch.dtype) -> None:
     torch.ops.duoserve.rotary_inplace(q, rows_cos, rows_sin)
     assert torch.equal(q, expected)
     assert torch.equal(qkv[:, 9 * 64 :], kv_before)  # K and V untouched
+
+
+def test_without_a_compiler_the_engine_falls_back_with_a_warning(tmp_path: Path) -> None:
+    """No build cached and no working compiler: a warning and False, never a crash."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING);"
+        "from engine_svc.kernels import cpu_kernels_available;"
+        "print('available:', cpu_kernels_available())"
+    )
+    env = {**os.environ, "DUOSERVE_KERNEL_CACHE": str(tmp_path), "CXX": "/nonexistent/c++"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "available: False"
+    assert "CPU kernels unavailable, the model runs in plain torch" in done.stderr
