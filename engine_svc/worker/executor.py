@@ -21,6 +21,7 @@ from engine_svc.core.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.models.model_spec import ModelSpec
+from engine_svc.worker.host_memory import keep_freed_activations
 from engine_svc.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class UniProcExecutor:
         cpu_kernels: bool = True,
     ) -> None:
         self.max_concurrent_batches = max_concurrent_batches
+        if device.type == "cpu":
+            keep_freed_activations()  # before the worker thread exists: it joins the main arena
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._failure_callback: Callable[[BaseException], None] | None = None
         # Every torch call runs on the worker thread, loading included: each thread that

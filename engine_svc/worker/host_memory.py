@@ -1,5 +1,5 @@
 """Host memory for a CPU engine: the KV cache faulted in at start-up rather than by the first
-steps, and glibc malloc told to keep the big activation buffers it frees.
+steps, and glibc malloc told to keep the big activation buffers it frees, in one arena.
 
 An anonymous mmap comes as zero pages the kernel maps on first write, one fault per 4 KiB:
 left lazy, the first requests pay for it (a 2,048-token prefill spent 4 ms per layer in page
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's upper limit for it on 64-bit
 TRIM_THRESHOLD_BYTES = 1 << 30
 
@@ -45,14 +46,21 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 @functools.cache
 def keep_freed_activations() -> bool:
-    """Serve allocations up to 32 MiB from malloc's heap and keep what is freed there.
+    """Serve allocations up to 32 MiB from malloc's main heap and keep what is freed there.
 
     By default glibc gives every block over 128 KiB (up to its adaptive limit) its own mmap
     and unmaps it on free, so each step's activations ([2,048 x 3,072] floats in a prefill)
     come back as fresh pages that fault on first write: a prefill of 16 x 128 tokens took
-    2.9 s against 2.5 s with this (median of six, alternating in one process). vLLM's CPU
-    backend asks for tcmalloc via LD_PRELOAD for the same reason. Process-wide: call it only
-    in a process that runs the engine. True if glibc took the settings.
+    2.9 s against 2.5 s with the thresholds (median of six, alternating in one process).
+
+    The thresholds alone do not reach the model runner's thread: a thread gets an arena of
+    its own, made of 64 MiB heaps that a prefill's MLP ([2,048 x 3,072] plus two halves)
+    outgrows, and they kept coming back as fresh pages (2,400 faults per MLP on a thread, in
+    steady state; none in the main arena once warm). The 64-prompt bench's batch took 265k-318k
+    page faults and 10.0 s of prefill steps; with one arena, 22k-28k and 7.9-8.8 s.
+    Hence one arena for the process; call this before the runner's thread starts. vLLM's
+    CPU backend asks for tcmalloc via LD_PRELOAD for the same reasons. Process-wide: call it
+    only in a process that runs the engine. True if glibc took the settings.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -63,5 +71,9 @@ def keep_freed_activations() -> bool:
         return False
     done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     done = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and done
-    logger.info("malloc keeps freed blocks up to %d MiB: %s", MMAP_THRESHOLD_BYTES >> 20, done)
+    # Threads that have no arena yet (the runner's, started next) share the main one.
+    done = mallopt(_M_ARENA_MAX, 1) == 1 and done
+    logger.info(
+        "malloc keeps freed blocks up to %d MiB in one arena: %s", MMAP_THRESHOLD_BYTES >> 20, done
+    )
     return done
