@@ -1,14 +1,26 @@
 """CPU kernels in C++, built on this machine the first time they are needed.
 
 `paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
-`add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work (engine_svc/kernels/csrc,
-used by engine_svc/models/llama.py when the model runner turns them on). The build
-is JIT (torch.utils.cpp_extension, `-march=native`), cached under ~/.cache/duoserve/kernels,
-one folder per CPU-feature set, so a later start only loads the library; `make kernels` builds it
-ahead. Where it cannot build (no compiler), or with DUOSERVE_CPU_KERNELS=0, the model takes
-the plain-torch path, which gives the same results to float rounding.
+`add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
+projection over weights packed once by `pack_linear_weight` (float32, AVX-512). All live in
+engine_svc/kernels/csrc and are used by engine_svc/models/llama.py when the model runner
+turns them on. The build is JIT (torch.utils.cpp_extension, `-march=native`), cached under
+~/.cache/duoserve/kernels, one folder per CPU-feature set, so a later start only loads the
+library; `make kernels` builds it ahead. Where it cannot build (no compiler), or with
+DUOSERVE_CPU_KERNELS=0, the model takes the plain-torch path, which gives the same results
+to float rounding.
 """
 
-from engine_svc.kernels.loader import cpu_kernels_available, paged_decode_attention
+from engine_svc.kernels.loader import (
+    cpu_kernels_available,
+    packed_block_size,
+    packed_linear_available,
+    paged_decode_attention,
+)
 
-__all__ = ["cpu_kernels_available", "paged_decode_attention"]
+__all__ = [
+    "cpu_kernels_available",
+    "packed_block_size",
+    "packed_linear_available",
+    "paged_decode_attention",
+]

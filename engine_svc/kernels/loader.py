@@ -17,8 +17,10 @@ logger = logging.getLogger(__name__)
 
 NAME = "duoserve_cpu_kernels"
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rotary.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "norm_rotary.cpp", "packed_linear.cpp")
 ]
+PACKED_BLOCK_SIZES = (64, 48, 32)  # columns per packed weight block, preferred first
 ENABLE_ENV = "DUOSERVE_CPU_KERNELS"  # "0": never build or load them
 CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duoserve/kernels)
 # -march for the build: "native" for the machine at hand (the default), or a portable level
@@ -120,6 +122,29 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
+
+
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """Whether `packed_linear` serves this dtype on this CPU: float32, where oneDNN's brgemm
+    has an AVX-512 kernel (measured faster than MKL here). Elsewhere torch's matmul stays."""
+    return (
+        dtype == torch.float32
+        and platform.machine() in ("x86_64", "AMD64")
+        and "avx512f" in _cpu_flags()
+        and cpu_kernels_available()
+    )
+
+
+def packed_block_size(out_features: int, num_threads: int | None = None) -> int:
+    """Columns per packed block: the size that splits `out_features` most evenly over the
+    threads (each takes whole blocks), the widest on a tie. 576 columns on 2 threads: 48."""
+    threads = num_threads or torch.get_num_threads()
+
+    def widest_share(block: int) -> int:
+        blocks = -(-out_features // block)
+        return -(-blocks // threads) * block
+
+    return min(PACKED_BLOCK_SIZES, key=lambda block: (widest_share(block), -block))
 
 
 def paged_decode_attention(

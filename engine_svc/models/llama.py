@@ -4,6 +4,8 @@ Weights keep their Hugging Face names so a checkpoint loads as is. After loading
 and gate/up are fused into one matmul each, and every projection's weight is stored
 transposed, [in, out]: on CPU, MKL's GEMM then skips transposing the weight while packing
 it at every call (decode's skinny matmuls ran 1.4x faster), with bit-identical results.
+With the C++ CPU kernels on, float32 projections go further: their weights are packed once
+into the blocks a GEMM micro-kernel reads (`Projection.use_packed`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.kernels import packed_block_size, packed_linear_available
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
 from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from engine_svc.models.model_spec import ModelSpec
@@ -59,30 +62,69 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
 
 
 class Projection(nn.Module):
-    """A linear layer without nn.Linear's init cost. `weight` keeps the HF name and layout
-    for loading; `transpose()` then swaps it for the buffer `weight_t`, [in, out]."""
+    """A linear layer without nn.Linear's init cost, in one of three weight layouts:
+    `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
+    embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
+    `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
+    packed_linear.cpp), set by `use_packed(True)`, which replaces the others (but a
+    `shared_weight`, tied to the embeddings, stays)."""
 
     weight_t: torch.Tensor | None
+    weight_packed: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.out_features = out_features
+        self.shared_weight = False
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None, persistent=False)
+        self.register_buffer("weight_packed", None, persistent=False)
+
+    @classmethod
+    def fused(cls, parts: list[Projection]) -> Projection:
+        """One projection computing `parts` side by side (q/k/v, gate/up), transposed."""
+        fused = cls(parts[0].weight.shape[1], sum(p.out_features for p in parts), False)
+        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))
+        if parts[0].bias is not None:
+            fused.bias = nn.Parameter(
+                torch.cat([p.bias.detach() for p in parts if p.bias is not None])
+            )
+        fused.transpose()
+        return fused
 
     def transpose(self) -> None:
         self.weight_t = transposed(self.weight)
         del self.weight
 
+    def use_packed(self, enabled: bool) -> None:
+        if enabled and self.weight_packed is None:
+            source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
+            block = packed_block_size(self.out_features)
+            self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
+            self.weight_t = None
+            if hasattr(self, "weight") and not self.shared_weight:
+                del self.weight
+        elif not enabled and self.weight_packed is not None:
+            if not hasattr(self, "weight"):  # the packed copy is the only one: unpack it
+                unpacked = torch.ops.duoserve.unpack_linear_weight(
+                    self.weight_packed, self.out_features
+                )
+                self.weight_t = transposed(unpacked)
+            self.weight_packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        return matmul(x, self.weight_t, self.bias)
+        if self.weight_packed is not None:
+            return torch.ops.duoserve.packed_linear(
+                x, self.weight_packed, self.out_features, self.bias
+            )
+        if self.weight_t is not None:
+            return matmul(x, self.weight_t, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
-    qkv_weight_t: torch.Tensor | None  # buffers, set by fuse()
-    qkv_bias: torch.Tensor | None
+    qkv: Projection  # q, k and v in one matmul, set by fuse()
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -98,15 +140,9 @@ class Attention(nn.Module):
         self.o_proj = Projection(q_size, spec.hidden_size, False)
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused_rotary = False
-        self.register_buffer("qkv_weight_t", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
 
     def fuse(self) -> None:
-        weights: list[torch.Tensor] = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        self.qkv_weight_t = transposed(torch.cat(weights))
-        if self.q_proj.bias is not None:
-            biases = [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-            self.qkv_bias = torch.cat([b for b in biases if b is not None]).detach()
+        self.qkv = Projection.fused([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         self.o_proj.transpose()
 
@@ -118,9 +154,7 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        assert self.qkv_weight_t is not None, "call fuse() after loading weights"
-        qkv = matmul(x, self.qkv_weight_t, self.qkv_bias)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -134,23 +168,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    gate_up_weight_t: torch.Tensor | None  # a buffer, set by fuse()
+    gate_up: Projection  # gate and up in one matmul, set by fuse()
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gate_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
         self.up_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
         self.down_proj = Projection(spec.intermediate_size, spec.hidden_size, False)
-        self.register_buffer("gate_up_weight_t", None, persistent=False)
 
     def fuse(self) -> None:
-        self.gate_up_weight_t = transposed(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.gate_up = Projection.fused([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
         self.down_proj.transpose()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gate_up_weight_t is not None, "call fuse() after loading weights"
-        gate, up = matmul(x, self.gate_up_weight_t, None).chunk(2, dim=-1)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -201,16 +233,21 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
+            self.lm_head.shared_weight = True
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """RMSNorm (with the residual add) and rotary as the C++ CPU kernels' single passes."""
+        """RMSNorm (with the residual add) and rotary as the C++ CPU kernels' single passes,
+        and the projections on packed weights where that kernel serves the dtype."""
         self.fused_ops = enabled
+        packed = enabled and packed_linear_available(self.model.embed_tokens.weight.dtype)
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, Projection):
+                module.use_packed(packed)
+            elif isinstance(module, RMSNorm):
                 module.fused = enabled
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled

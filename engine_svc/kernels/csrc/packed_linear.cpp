@@ -1,0 +1,113 @@
+// Linear layers over weights packed once, at load time, for oneDNN's batch-reduce GEMM
+// micro-kernel (brgemm, reached through ATen's cpublas; float32).
+//
+// torch's matmul hands each call to MKL's sgemm, which copies the weight into its panel
+// layout every time; at decode's row counts (one row per running sequence) that copy is a
+// large part of the work. Here the weight is stored already cut into column blocks,
+// [ceil(N / block), K, block] (the last block zero-padded), so each block is one contiguous
+// K x block panel that the micro-kernel reads as is. Threads split the column blocks; rows go
+// in tiles of up to 256 so that a prefill's activations stay in cache while a thread sweeps
+// its blocks. Measured on this project's 2-core AVX-512 machine with SmolLM2-135M's shapes:
+// a batch-64 decode step's projections 97-108 -> 75-81 ms (30 layers and the LM head,
+// weights streaming from memory), a 2,048-token prefill's on par with MKL (313 GFLOP/s).
+//
+// The sums run in another order than MKL's, so results differ from torch's by float
+// rounding (relative 1e-6), as two BLAS libraries do.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+namespace duoserve {
+namespace {
+
+constexpr int64_t kRowTile = 256;
+
+// weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded.
+at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "packed linear weights are float32");
+  TORCH_CHECK(block >= 1, "block must be >= 1");
+  const int64_t n = weight.size(0);
+  const int64_t k = weight.size(1);
+  const int64_t num_blocks = (n + block - 1) / block;
+  auto padded = at::zeros({num_blocks * block, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  // [blocks, block, K] -> [blocks, K, block]
+  return padded.view({num_blocks, block, k}).transpose(1, 2).contiguous();
+}
+
+// The inverse of pack_linear_weight: [N, K].
+at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3, "packed must be [blocks, in_features, block]");
+  const int64_t k = packed.size(1);
+  auto rows = packed.transpose(1, 2).reshape({packed.size(0) * packed.size(2), k});
+  TORCH_CHECK(out_features >= 1 && out_features <= rows.size(0), "out_features out of range");
+  return rows.narrow(0, 0, out_features).contiguous();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
+              "packed must be a contiguous float32 [blocks, in_features, block]");
+  const int64_t m = x.size(0);
+  const int64_t k = packed.size(1);
+  const int64_t block = packed.size(2);
+  const int64_t n = out_features;
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight takes ", k);
+  TORCH_CHECK(n >= 1 && n <= packed.size(0) * block && n > (packed.size(0) - 1) * block,
+              "out_features does not match the packed weight");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(),
+                "bias must be contiguous float32 [out_features]");
+  }
+  const at::Tensor a = x.stride(1) == 1 ? x : x.contiguous();
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+
+  const float* a_ptr = a.data_ptr<float>();
+  const int64_t lda = a.stride(0);
+  const float* b_ptr = packed.data_ptr<float>();
+  const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* c_ptr = out.data_ptr<float>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m - m0);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * block;
+        const int64_t cols = std::min(block, n - n0);
+        float* c = c_ptr + m0 * n + n0;
+        if (bias_ptr != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
+          for (int64_t r = 0; r < rows; ++r) std::copy_n(bias_ptr + n0, cols, c + r * n);
+        }
+        at::native::cpublas::brgemm(rows, cols, k, lda, block, n, bias_ptr != nullptr,
+                                    a_ptr + m0 * lda, b_ptr + b * k * block, c,
+                                    /*is_vnni=*/false);
+      }
+    }
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(duoserve, m) {
+  m.def("pack_linear_weight(Tensor weight, int block) -> Tensor");
+  m.def("unpack_linear_weight(Tensor packed, int out_features) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("unpack_linear_weight", &unpack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+}
+
+}  // namespace duoserve

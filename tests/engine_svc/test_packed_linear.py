@@ -1,0 +1,138 @@
+"""Projections over packed weights (engine_svc/kernels/csrc/packed_linear.cpp) against a
+float64 reference: as close as torch's own float32 matmul, over row counts that cross the
+kernel's row tiles, column counts that leave a padded last block, biases and strided
+inputs; and the model's switch between torch's layout and the packed one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_svc.kernels import cpu_kernels_available, packed_block_size, packed_linear_available
+from engine_svc.models.llama import Projection
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert cpu_kernels_available(), "the CPU kernels did not build: see the warning logged"
+
+
+def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    bias = torch.randn(out_features, generator=generator)
+    return weight, bias
+
+
+def _worst_error(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> float:
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return (result.double() - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 257, 600])
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 576), (960, 1536)])
+@pytest.mark.parametrize("block", [32, 48, 64])
+def test_packed_linear_is_as_close_as_torch_to_float64(
+    rows: int, out_features: int, in_features: int, block: int
+) -> None:
+    weight, bias = _weights(out_features, in_features)
+    # x as the model can have it: rows of a wider buffer (a stride, not contiguous).
+    wide = torch.randn(rows, in_features + 7, generator=torch.Generator().manual_seed(1))
+    x = wide[:, :in_features]
+    packed = torch.ops.duoserve.pack_linear_weight(weight, block)
+    assert packed.shape == (-(-out_features // block), in_features, block)
+    for with_bias in (None, bias):
+        result = torch.ops.duoserve.packed_linear(x, packed, out_features, with_bias)
+        assert result.shape == (rows, out_features)
+        torch_error = _worst_error(F.linear(x, weight, with_bias), x, weight, with_bias)
+        # Another summation order than MKL's: within a few ulps of the sums, like it.
+        assert _worst_error(result, x, weight, with_bias) <= max(4 * torch_error, 2e-5)
+
+
+def test_no_rows_give_an_empty_output() -> None:
+    weight, _ = _weights(100, 64)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, 48)
+    assert torch.ops.duoserve.packed_linear(torch.empty(0, 64), packed, 100, None).shape == (0, 100)
+
+
+def test_unpacking_gives_the_weight_back_exactly() -> None:
+    weight, _ = _weights(100, 96)  # 100 = two blocks of 48 and a padded one
+    packed = torch.ops.duoserve.pack_linear_weight(weight, 48)
+    assert not packed[2, :, 4:].any()  # the padding is zeros
+    assert torch.equal(torch.ops.duoserve.unpack_linear_weight(packed, 100), weight)
+
+
+def test_bad_inputs_raise_errors_that_name_the_problem() -> None:
+    weight, bias = _weights(96, 64)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, 48)
+    x = torch.randn(3, 64)
+    cases = [
+        (lambda: torch.ops.duoserve.packed_linear(x.double(), packed, 96, None), "float32"),
+        (lambda: torch.ops.duoserve.packed_linear(torch.randn(3, 65), packed, 96, None), "65"),
+        (lambda: torch.ops.duoserve.packed_linear(x, packed, 200, None), "out_features"),
+        (lambda: torch.ops.duoserve.packed_linear(x, packed, 96, bias[:5]), "bias"),
+        (lambda: torch.ops.duoserve.pack_linear_weight(weight.half(), 48), "float32"),
+    ]
+    for call, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            call()
+
+
+def test_block_size_splits_the_columns_evenly_over_the_threads() -> None:
+    assert packed_block_size(576, num_threads=2) == 48  # 12 blocks, 6 each (64: 5 and 4)
+    assert packed_block_size(3072, num_threads=2) == 64
+    assert packed_block_size(100, num_threads=2) == 64  # 2 blocks, one each
+    assert packed_block_size(576, num_threads=1) == 64
+
+
+def test_projection_switches_layouts_and_back_without_loss() -> None:
+    weight, bias = _weights(300, 128)
+    projection = Projection(128, 300, bias=True)
+    projection.weight.data.copy_(weight)
+    projection.bias.data.copy_(bias)  # type: ignore[union-attr]
+    projection.transpose()
+    transposed = projection.weight_t.clone()  # type: ignore[union-attr]
+    x = torch.randn(9, 128)
+    expected = projection(x)
+
+    projection.use_packed(True)
+    assert projection.weight_t is None and projection.weight_packed is not None
+    assert (projection(x) - expected).abs().max().item() < 1e-5
+    projection.use_packed(False)
+    assert projection.weight_packed is None
+    assert torch.equal(projection.weight_t, transposed)
+    assert torch.equal(projection(x), expected)
+
+
+def test_a_tied_projection_keeps_the_shared_weight() -> None:
+    embedding = torch.nn.Embedding(300, 64)
+    head = Projection(64, 300, bias=False)
+    head.weight = embedding.weight  # type: ignore[assignment]  # as a tied LM head has it
+    head.shared_weight = True
+    x = torch.randn(4, 64)
+    expected = head(x)
+    head.use_packed(True)
+    assert head.weight is embedding.weight
+    assert (head(x) - expected).abs().max().item() < 1e-5
+    head.use_packed(False)
+    assert head.weight_packed is None and head.weight_t is None
+    assert torch.equal(head(x), expected)
+
+
+def test_only_float32_is_packed() -> None:
+    assert not packed_linear_available(torch.bfloat16)
+    assert not packed_linear_available(torch.float16)
+
+
+def test_an_untied_head_in_nn_linear_layout_is_packed_in_place_of_its_weight() -> None:
+    weight, _ = _weights(300, 64)
+    head = Projection(64, 300, bias=False)
+    head.weight.data.copy_(weight)
+    x = torch.randn(4, 64)
+    expected = head(x)  # F.linear, as Hugging Face computes it
+    head.use_packed(True)
+    assert not hasattr(head, "weight")  # one copy of the weights, not two
+    assert (head(x) - expected).abs().max().item() < 1e-5
+    head.use_packed(False)
+    assert (head(x) - expected).abs().max().item() < 1e-5
