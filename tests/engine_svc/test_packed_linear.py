@@ -30,7 +30,7 @@ def _worst_error(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     return (result.double() - exact).abs().max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, 257, 600])
+@pytest.mark.parametrize("rows", [1, 5, 64, 128, 129, 600])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 576), (960, 1536)])
 @pytest.mark.parametrize("block", [32, 48, 64])
 def test_packed_linear_is_as_close_as_torch_to_float64(

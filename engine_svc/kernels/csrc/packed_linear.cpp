@@ -1,15 +1,20 @@
-// Linear layers over weights packed once, at load time, for oneDNN's batch-reduce GEMM
-// micro-kernel (brgemm, reached through ATen's cpublas; float32).
+// Linear layers over weights packed once, at load time (float32).
 //
 // torch's matmul hands each call to MKL's sgemm, which copies the weight into its panel
 // layout every time; at decode's row counts (one row per running sequence) that copy is a
 // large part of the work. Here the weight is stored already cut into column blocks,
 // [ceil(N / block), K, block] (the last block zero-padded), so each block is one contiguous
-// K x block panel that the micro-kernel reads as is. Threads split the column blocks; rows go
-// in tiles of up to 256 so that a prefill's activations stay in cache while a thread sweeps
-// its blocks. Measured on this project's 2-core AVX-512 machine with SmolLM2-135M's shapes:
-// a batch-64 decode step's projections 97-108 -> 75-81 ms (30 layers and the LM head,
-// weights streaming from memory), a 2,048-token prefill's on par with MKL (313 GFLOP/s).
+// K x block panel, read as is. Threads split the column blocks.
+//
+// Up to 128 rows (decode steps), an AVX-512 register-tile kernel of our own computes a panel
+// while it prefetches the thread's next panel into L2, spread over its loop: the weights
+// stream from memory at every step, and oneDNN's brgemm, which does not prefetch, stalled on
+// each panel's first pass. More rows (prefill), brgemm (oneDNN's batch-reduce GEMM kernel,
+// through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
+// thread sweeps its blocks. Measured on this project's 2-core AVX-512 machine with
+// SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory: MKL
+// 97-108 ms at 64 rows, brgemm 75-90, this kernel 69-76 (1 row: brgemm 25-32, ours 23-26);
+// a 2,048-token prefill's projections on par with MKL (313 GFLOP/s).
 //
 // The sums run in another order than MKL's, so results differ from torch's by float
 // rounding (relative 1e-6), as two BLAS libraries do.
@@ -22,10 +27,88 @@
 #include <algorithm>
 #include <optional>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace duoserve {
 namespace {
 
 constexpr int64_t kRowTile = 256;
+constexpr int64_t kMaxRegisterTileRows = 128;  // above: brgemm (measured crossover)
+
+#if defined(__AVX512F__)
+namespace avx512 {
+
+// C[rows x cols] = A[rows x K] . panel[K x 16 * kVecs] (+ bias), with kRows x kVecs
+// accumulators in registers. `prefetch` lines of the next panel are requested over the loop.
+template <int kRows, int kVecs>
+void register_tile(const float* __restrict a, int64_t lda, const float* __restrict panel,
+                   int64_t k, const float* __restrict bias, float* __restrict c, int64_t ldc,
+                   int64_t cols, const char* next, int64_t prefetch) {
+  __mmask16 lanes[kVecs];  // the columns that exist: the last block may be padding
+  __m512 acc[kRows][kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t count = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    lanes[v] = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 init =
+        bias != nullptr ? _mm512_maskz_loadu_ps(lanes[v], bias + 16 * v) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) acc[r][v] = init;
+  }
+  const int64_t per_step = (prefetch + k - 1) / k;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t line = kk * per_step; line < std::min(prefetch, (kk + 1) * per_step); ++line) {
+      _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+    }
+    __m512 b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = _mm512_loadu_ps(panel + (kk * kVecs + v) * 16);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + kk]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(x, b[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, lanes[v], acc[r][v]);
+  }
+}
+
+// The rows of a tile that fit the registers: 24 accumulators, whatever the block width.
+template <int kVecs>
+constexpr int tile_rows() { return 24 / kVecs; }
+
+template <int kVecs, int kRows = tile_rows<kVecs>()>
+void register_tile_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
+                        int64_t k, const float* bias, float* c, int64_t ldc, int64_t cols,
+                        const char* next, int64_t prefetch) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) {
+      register_tile_rows<kVecs, kRows - 1>(rows, a, lda, panel, k, bias, c, ldc, cols, next,
+                                           prefetch);
+      return;
+    }
+  }
+  register_tile<kRows, kVecs>(a, lda, panel, k, bias, c, ldc, cols, next, prefetch);
+}
+
+// One column block for all rows, tile after tile, each prefetching its share of `next`.
+template <int kVecs>
+void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int64_t k,
+                const float* bias, float* c, int64_t ldc, int64_t cols, const float* next) {
+  constexpr int64_t kRows = tile_rows<kVecs>();
+  const int64_t tiles = (m + kRows - 1) / kRows;
+  const int64_t lines = next == nullptr ? 0 : k * kVecs * 16 * 4 / 64;
+  const int64_t share = (lines + tiles - 1) / tiles;
+  const char* next_bytes = reinterpret_cast<const char*>(next);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m0 = t * kRows;
+    const int64_t prefetch = std::clamp<int64_t>(lines - t * share, 0, share);
+    register_tile_rows<kVecs>(std::min(kRows, m - m0), a + m0 * lda, lda, panel, k, bias,
+                              c + m0 * ldc, ldc, cols, next_bytes + 64 * t * share, prefetch);
+  }
+}
+
+}  // namespace avx512
+#endif  // __AVX512F__
 
 // weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded.
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
@@ -76,6 +159,27 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* b_ptr = packed.data_ptr<float>();
   const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c_ptr = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  if (m <= kMaxRegisterTileRows && (block == 32 || block == 48 || block == 64)) {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float* panel = b_ptr + b * k * block;
+        const float* next = b + 1 < end ? panel + k * block : nullptr;
+        const float* panel_bias = bias_ptr != nullptr ? bias_ptr + b * block : nullptr;
+        const int64_t cols = std::min(block, n - b * block);
+        float* c = c_ptr + b * block;
+        if (block == 64) {
+          avx512::panel_rows<4>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
+        } else if (block == 48) {
+          avx512::panel_rows<3>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
+        } else {
+          avx512::panel_rows<2>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
       const int64_t rows = std::min(kRowTile, m - m0);
