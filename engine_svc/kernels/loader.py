@@ -20,6 +20,7 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.cpp", "norm_rotary.cpp", "packed_linear.cpp")
 ]
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 PACKED_BLOCK_SIZES = (64, 48, 32)  # columns per packed weight block, preferred first
 ENABLE_ENV = "DUOSERVE_CPU_KERNELS"  # "0": never build or load them
 CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duoserve/kernels)
@@ -49,7 +50,7 @@ def build_dir() -> Path:
     """One folder per build: the sources, torch, Python, flags, and for a native build this
     CPU's features (a home directory shared by unlike machines gets one build each)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     parts = [torch.__version__, sys.version, platform.machine(), *_cflags()]
     digest.update(" ".join(parts).encode())

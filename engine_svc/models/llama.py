@@ -175,6 +175,7 @@ class MLP(nn.Module):
         self.gate_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
         self.up_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
         self.down_proj = Projection(spec.intermediate_size, spec.hidden_size, False)
+        self.fused_act = False  # silu(gate) * up in one C++ pass
 
     def fuse(self) -> None:
         self.gate_up = Projection.fused([self.gate_proj, self.up_proj])
@@ -182,7 +183,10 @@ class MLP(nn.Module):
         self.down_proj.transpose()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.fused_act:
+            return self.down_proj(torch.ops.duoserve.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -240,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """RMSNorm (with the residual add) and rotary as the C++ CPU kernels' single passes,
-        and the projections on packed weights where that kernel serves the dtype."""
+        """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU
+        kernels' single passes, and the projections on packed weights where that kernel
+        serves the dtype."""
         self.fused_ops = enabled
         packed = enabled and packed_linear_available(self.model.embed_tokens.weight.dtype)
         for module in self.modules():
@@ -251,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = enabled
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled
+            elif isinstance(module, MLP):
+                module.fused_act = enabled
 
     def forward(
         self,

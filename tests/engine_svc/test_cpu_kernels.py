@@ -164,3 +164,18 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "available: False"
     assert "CPU kernels unavailable, the model runs in plain torch" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 100, 7])  # 7 and 100: a partial vector at the end
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
+    generator = torch.Generator().manual_seed(5)
+    # The fused gate_up output, rows of a wider buffer; values out to where exp saturates.
+    wide = torch.randn(33, 2 * width + 3, generator=generator) * 30
+    gate_up = wide[:, : 2 * width].to(dtype)
+    got = torch.ops.duoserve.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (33, width)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
