@@ -2,7 +2,8 @@
 
 `paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
 `add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
-projection over weights packed once by `pack_linear_weight` (float32, AVX-512). All live in
+projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
+causal attention of a step's prompt chunks (both float32, AVX-512). All live in
 engine_svc/kernels/csrc and are used by engine_svc/models/llama.py when the model runner
 turns them on. The build is JIT (torch.utils.cpp_extension, `-march=native`), cached under
 ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a later start only loads the
@@ -16,6 +17,7 @@ from engine_svc.kernels.loader import (
     packed_block_size,
     packed_linear_available,
     paged_decode_attention,
+    prefill_attention_available,
 )
 
 __all__ = [
@@ -23,4 +25,5 @@ __all__ = [
     "packed_block_size",
     "packed_linear_available",
     "paged_decode_attention",
+    "prefill_attention_available",
 ]

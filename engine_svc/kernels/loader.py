@@ -18,7 +18,12 @@ logger = logging.getLogger(__name__)
 NAME = "duoserve_cpu_kernels"
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "norm_rotary.cpp", "packed_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "norm_rotary.cpp",
+        "packed_linear.cpp",
+    )
 ]
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 PACKED_BLOCK_SIZES = (64, 48, 32)  # columns per packed weight block, preferred first
@@ -127,11 +132,24 @@ def _put_ninja_on_path() -> None:
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """Whether `packed_linear` serves this dtype on this CPU: float32, where oneDNN's brgemm
-    has an AVX-512 kernel (measured faster than MKL here). Elsewhere torch's matmul stays."""
+    and our register-tile kernel have AVX-512 code (measured faster than MKL here).
+    Elsewhere torch's matmul stays."""
+    return dtype == torch.float32 and _avx512_kernels()
+
+
+def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `prefill_attention_` serves this model: float32, head_dim a multiple of 64,
+    an AVX-512 build. Elsewhere prompts attend through torch's SDPA."""
+    return dtype == torch.float32 and head_dim % 64 == 0 and _avx512_kernels()
+
+
+def _avx512_kernels() -> bool:
+    # A native build on an AVX-512 CPU compiles the AVX-512 paths (-march=native); a
+    # portable x86-64-v3 build does not.
     return (
-        dtype == torch.float32
-        and platform.machine() in ("x86_64", "AMD64")
+        platform.machine() in ("x86_64", "AMD64")
         and "avx512f" in _cpu_flags()
+        and _arch() in ("native", "x86-64-v4")
         and cpu_kernels_available()
     )
 

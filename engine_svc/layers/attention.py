@@ -6,7 +6,9 @@ layer writes the new K/V into their cache slots, then:
   (engine_svc/kernels) where it is built, or else run as one batched SDPA over their
   gathered blocks, masked to each context;
 - a prefill chunk with no cached context attends to its own K/V (causal, or both ways
-  for prefix-LM models); a chunk after cached tokens gathers its context from the cache.
+  for prefix-LM models): all such chunks of a step in one call of the C++ kernel where it
+  serves the model, else one SDPA each; a chunk after cached tokens gathers its context
+  from the cache.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ class DecodeKernelInputs:
 
 
 @dataclasses.dataclass(slots=True)
+class PrefillKernelInputs:
+    """The causal prefill chunks with no cached context, for the C++ kernel (int32)."""
+
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+
+
+@dataclasses.dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decodes: int
@@ -46,6 +56,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     is_causal: bool = True
     decode_kernel: DecodeKernelInputs | None = None  # set: decodes run the C++ kernel
+    # Set: the chunks without context run the C++ kernel (and have no PrefillChunk entry).
+    prefill_kernel: PrefillKernelInputs | None = None
     # Gathered K and V of the decodes, reused by every layer of the step: a fresh multi-MB
     # tensor per layer comes from mmap and pays a page fault for each 4 KiB it touches.
     decode_kv_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -67,9 +79,12 @@ def paged_attention(
     k_rows.index_copy_(0, meta.slot_mapping, k.reshape(len(k), -1))
     v_rows.index_copy_(0, meta.slot_mapping, v.reshape(len(v), -1))
 
-    if not meta.prefills:  # a pure decode step: no scatter into a shared output
+    if not meta.prefills and meta.prefill_kernel is None:  # a pure decode step
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
+    if meta.prefill_kernel is not None:
+        starts, lens = meta.prefill_kernel.query_starts, meta.prefill_kernel.query_lens
+        torch.ops.duoserve.prefill_attention_(out, q, k, v, starts, lens, scale)
     if meta.num_decodes:
         decode = slice(0, meta.num_decodes)
         out[decode] = _decode_attention(q[decode], k_cache, v_cache, meta, scale)

@@ -7,7 +7,12 @@ import dataclasses
 import torch
 
 from engine_svc.core.sched.output import ScheduledRequest
-from engine_svc.layers.attention import AttentionMetadata, DecodeKernelInputs, PrefillChunk
+from engine_svc.layers.attention import (
+    AttentionMetadata,
+    DecodeKernelInputs,
+    PrefillChunk,
+    PrefillKernelInputs,
+)
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.sampler import SamplingRow
 
@@ -47,10 +52,12 @@ def prepare_inputs(
     device: torch.device,
     dtype: torch.dtype,
     decode_kernel: bool = False,
+    prefill_kernel: bool = False,
 ) -> ModelInputs:
     """Flatten one step: single-token (decode) requests first, then prefill chunks.
     With `decode_kernel`, decodes get int32 block tables and context lengths for the C++
-    kernel instead of a padding mask."""
+    kernel instead of a padding mask; with `prefill_kernel`, causal chunks that start a
+    prompt go to the C++ prefill kernel together."""
     decodes = [s for s in scheduled if len(s.token_ids) == 1]
     prefills = [s for s in scheduled if len(s.token_ids) > 1]
 
@@ -74,6 +81,7 @@ def prepare_inputs(
             sample_ids.append(entry.request_id)
 
     chunks: list[PrefillChunk] = []
+    kernel_chunks: list[tuple[int, int]] = []  # (query_start, length)
     slot_pieces = [torch.tensor(slots, dtype=torch.long)]
     for entry in prefills:
         state = states[entry.request_id]
@@ -89,7 +97,10 @@ def prepare_inputs(
             chunk.context_slots = _slots(table, context, block_size).to(device)
             query_pos = torch.arange(start, start + length).unsqueeze(1)
             chunk.mask = _additive_mask(context.unsqueeze(0) <= query_pos, dtype, device)
-        chunks.append(chunk)
+        if start == 0 and prefill_kernel and is_causal:
+            kernel_chunks.append((query_start, length))
+        else:
+            chunks.append(chunk)
         if start + length == len(state.token_ids):
             sample_indices.append(query_start + length - 1)
             sample_ids.append(entry.request_id)
@@ -111,6 +122,10 @@ def prepare_inputs(
             visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
             mask = _additive_mask(visible, dtype, device)
 
+    prefill_inputs = None
+    if kernel_chunks:
+        spans = torch.tensor(kernel_chunks, dtype=torch.int32, device=device)
+        prefill_inputs = PrefillKernelInputs(spans[:, 0].contiguous(), spans[:, 1].contiguous())
     attention = AttentionMetadata(
         slot_mapping=torch.cat(slot_pieces).to(device),
         num_decodes=len(decodes),
@@ -119,6 +134,7 @@ def prepare_inputs(
         prefills=chunks,
         is_causal=is_causal,
         decode_kernel=kernel_inputs,
+        prefill_kernel=prefill_inputs,
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -14,7 +14,7 @@ from engine_svc.core.sched.output import (
     PendingSample,
     SchedulerOutput,
 )
-from engine_svc.kernels import cpu_kernels_available
+from engine_svc.kernels import cpu_kernels_available, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
@@ -68,6 +68,7 @@ class ModelRunner:
         self.fail_after_steps = fail_after_steps
         # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
         self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
+        self.prefill_kernel = self.cpu_kernels and prefill_attention_available(dtype, spec.head_dim)
         self.model.use_fused_ops(self.cpu_kernels)
         if device.type == "cpu":
             keep_freed_activations()
@@ -113,6 +114,7 @@ class ModelRunner:
             self.device,
             self.dtype,
             self.cpu_kernels,
+            self.prefill_kernel,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         if not inputs.sample_request_ids:

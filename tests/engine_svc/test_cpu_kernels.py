@@ -179,3 +179,63 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     assert got.dtype == dtype and got.shape == (33, width)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+# ---- prefill attention ----------------------------------------------------------------------
+
+
+def _sdpa_per_chunk(q, k, v, starts: list[int], lens: list[int], scale: float) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    for start, length in zip(starts, lens, strict=True):
+        rows = slice(start, start + length)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0),
+            k[rows].transpose(0, 1).unsqueeze(0),
+            v[rows].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = attended[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 64), (4, 1, 128)]
+)
+def test_prefill_kernel_matches_sdpa_per_chunk(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    # One token, a 64-row task and one row either side, several tasks; after a gap of
+    # tokens that belong to no chunk (decodes, chunks with context).
+    lens = [1, 2, 63, 64, 65, 200, 300]
+    starts = [5 + sum(lens[:i]) for i in range(len(lens))]
+    tokens = starts[-1] + lens[-1] + 3
+    generator = torch.Generator().manual_seed(7)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=generator)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+    out = torch.zeros(tokens, num_heads, head_dim)
+    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    torch.ops.duoserve.prefill_attention_(out, q, k, v, as_int32(starts), as_int32(lens), 0.11)
+    expected = _sdpa_per_chunk(q, k, v, starts, lens, 0.11)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not out[:5].any() and not out[-3:].any()  # rows of no chunk stay untouched
+
+
+def test_prefill_kernel_rejects_bad_inputs_with_an_error() -> None:
+    q, k = torch.randn(10, 9, 64), torch.randn(10, 3, 64)
+    out = torch.empty_like(q)
+    ok = torch.tensor([0], dtype=torch.int32)
+    cases = [
+        ((out, q, k, k, ok, torch.tensor([11], dtype=torch.int32)), "out of range"),
+        ((out, q, k, k, ok.long(), ok + 10), "int32"),
+        ((out, q.double(), k, k, ok, ok + 10), "float32"),
+        ((out[..., :48], q[..., :48], k[..., :48], k[..., :48], ok, ok + 10), "multiple of 64"),
+    ]
+    for args, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            torch.ops.duoserve.prefill_attention_(*args, 0.125)
