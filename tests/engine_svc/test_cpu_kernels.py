@@ -1,6 +1,8 @@
-"""The C++ decode attention against the plain-torch path it replaces: the same results to
-float rounding, over block sizes, GQA groups, dtypes and context lengths (1, exact block
-multiples, ragged), for one sequence (a task per KV head) and many (a task per sequence)."""
+"""The C++ CPU kernels against the plain-torch paths they replace, to float rounding: decode
+attention over block sizes, GQA groups, head sizes, dtypes and context lengths (1, exact
+block multiples, ragged), for one sequence (a task per KV head) and many (a task per
+sequence); the fused RMSNorm, rotary and silu * up; prefill attention against SDPA per
+chunk. (packed_linear: test_packed_linear.py.)"""
 
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ def _case(
     context_lens: list[int],
     dtype: torch.dtype,
     seed: int = 0,
+    head_dim: int = 64,
 ) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
-    head_dim = 64
     width = max(-(-n // block_size) for n in context_lens)
     num_blocks = num_seqs * width + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -75,6 +77,14 @@ def test_kernel_matches_torch_float32(
     )
     got = paged_decode_attention(*inputs, max(context_lens), 0.125)
     torch.testing.assert_close(got, _reference(inputs, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])  # 80: no vectorized path, the generic one
+def test_kernel_matches_torch_for_other_head_dims(head_dim: int) -> None:
+    lens = [1, 17, 100, 250]
+    inputs = _case(len(lens), 8, 2, 16, lens, torch.float32, seed=2, head_dim=head_dim)
+    got = paged_decode_attention(*inputs, max(lens), 0.1)
+    torch.testing.assert_close(got, _reference(inputs, 0.1), rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_matches_torch_for_many_sequences() -> None:

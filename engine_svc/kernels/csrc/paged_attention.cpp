@@ -13,9 +13,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace duoserve {
 namespace {
@@ -53,6 +56,12 @@ struct CachedRows {
       const int64_t count = std::min(block_size, context_len - start);
       for (int64_t t = 0; t < count; ++t) visit(start + t, rows + t * row);
     }
+  }
+
+  // The task's part of `token`'s row.
+  template <typename scalar_t>
+  const scalar_t* at(const scalar_t* cache, int64_t token) const {
+    return cache + (table[token / block_size] * block_size + token % block_size) * row + offset;
   }
 
   template <typename scalar_t>
@@ -132,6 +141,153 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
   }
 }
 
+
+#if defined(__AVX512F__)
+// The float32 path with AVX-512, for head_dim 64 and 128 (compile-time widths, so every
+// accumulator lives in a register). Per KV head, `kGroup` query heads at a time:
+// - scores 16 tokens at a time: each token's dot product folds into one 16-lane vector,
+//   and one transpose-and-add tree turns the 16 vectors into the 16 scores (in place of 16
+//   horizontal sums);
+// - softmax with the vectorized exp of vec_math.h;
+// - the weighted sum of V with the query heads' accumulators in registers.
+namespace decode_avx512 {
+
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int j = 0; j < 8; ++j) {
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  }
+  for (int j = 0; j < 4; ++j) {
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 2; ++j) {
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+template <int kDim, int kGroup>
+void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const float* __restrict k_cache,
+                    const float* __restrict v_cache, const CachedRows& rows, float scale,
+                    float* __restrict out, float* __restrict scores) {
+  constexpr int kVecs = kDim / 16;
+  const int64_t len = rows.context_len;
+  const int64_t padded = (len + 15) / 16 * 16;
+
+  __m512 query[kGroup][kVecs];  // scaled, so the dot products are the scores
+  for (int g = 0; g < kGroup; ++g) {
+    for (int i = 0; i < kVecs; ++i) {
+      query[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_head_stride + 16 * i),
+                                  _mm512_set1_ps(scale));
+    }
+  }
+
+  // Scores, 16 tokens at a time. Blocks are prefetched one block (or chunk) ahead.
+  const int64_t block_size = rows.block_size;
+  const int64_t lead = std::max<int64_t>(block_size, 16);
+  auto prefetch_blocks_in = [&](int64_t from, int64_t to) {
+    for (int64_t b = (from + block_size - 1) / block_size * block_size; b < std::min(to, len);
+         b += block_size) {
+      rows.prefetch(k_cache, b / block_size);
+    }
+  };
+  prefetch_blocks_in(0, lead);
+  const float* chunk_rows[16];
+  for (int64_t start = 0; start < len; start += 16) {
+    const int64_t count = std::min<int64_t>(16, len - start);
+    for (int64_t t = 0; t < count; ++t) chunk_rows[t] = rows.at(k_cache, start + t);
+    prefetch_blocks_in(start + lead, start + lead + 16);
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 dots[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= count) {
+          dots[t] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 sum = _mm512_mul_ps(query[g][0], _mm512_loadu_ps(chunk_rows[t]));
+        for (int i = 1; i < kVecs; ++i) {
+          sum = _mm512_fmadd_ps(query[g][i], _mm512_loadu_ps(chunk_rows[t] + 16 * i), sum);
+        }
+        dots[t] = sum;
+      }
+      _mm512_storeu_ps(scores + g * padded + start, transpose_sum16(dots));
+    }
+  }
+
+  // Softmax numerators in place; the padding past `len` becomes 0.
+  float inv_sum[kGroup];
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16 == 0 ? 16 : len % 16)) - 1);
+  for (int g = 0; g < kGroup; ++g) {
+    float* s = scores + g * padded;
+    __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t + 16 <= len; t += 16) max_v = _mm512_max_ps(max_v, _mm512_loadu_ps(s + t));
+    if (len % 16 != 0) max_v = _mm512_mask_max_ps(max_v, tail, max_v, _mm512_loadu_ps(s + padded - 16));
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
+    __m512 sum_v = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      __m512 e = avx512::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_score));
+      if (t + 16 > len) e = _mm512_maskz_mov_ps(tail, e);
+      _mm512_storeu_ps(s + t, e);
+      sum_v = _mm512_add_ps(sum_v, e);
+    }
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum_v);
+  }
+
+  // Probability-weighted sum of V.
+  __m512 acc[kGroup][kVecs];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+  }
+  rows.for_each(v_cache, [&](int64_t t, const float* __restrict value) {
+    __m512 v[kVecs];
+    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_ps(value + 16 * i);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+    }
+  });
+  for (int g = 0; g < kGroup; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int i = 0; i < kVecs; ++i) {
+      _mm512_storeu_ps(out + g * kDim + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+    }
+  }
+}
+
+// Query heads per pass: their V accumulators must fit in registers with room to spare.
+template <int kDim>
+constexpr int max_group() { return 16 / (kDim / 16); }
+
+template <int kDim, int kGroup = max_group<kDim>()>
+void attend_heads(const float* q, int64_t q_head_stride, const float* k_cache,
+                  const float* v_cache, const CachedRows& rows, float scale, float* out,
+                  float* scores, int64_t heads) {
+  if constexpr (kGroup > 1) {
+    if (heads < kGroup) {
+      attend_heads<kDim, kGroup - 1>(q, q_head_stride, k_cache, v_cache, rows, scale, out, scores,
+                                     heads);
+      return;
+    }
+  }
+  for (int64_t g = 0; g < heads; g += kGroup) {
+    if (heads - g < kGroup) {
+      attend_heads<kDim>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows, scale,
+                         out + g * kDim, scores, heads - g);
+      return;
+    }
+    attend_kv_head<kDim, kGroup>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows,
+                                 scale, out + g * kDim, scores);
+  }
+}
+
+}  // namespace decode_avx512
+#endif  // __AVX512F__
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, int64_t max_context_len,
@@ -170,17 +326,53 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t tasks_per_seq = shape.num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * (shape.num_heads / shape.num_kv_heads);
 
+  // Tasks are handed out one at a time: sequences differ in length, and a static split
+  // left one thread idle while the other finished the longer half.
+  const int64_t num_tasks = num_seqs * tasks_per_seq;
+  const int64_t padded_context = (max_context_len + 15) / 16 * 16;
+  std::atomic<int64_t> next_task{0};
+#if defined(__AVX512F__)
+  if (q.scalar_type() == at::kFloat && (shape.head_dim == 64 || shape.head_dim == 128)) {
+    const float* q_ptr = q.data_ptr<float>();
+    const float* k_ptr = k_cache.data_ptr<float>();
+    const float* v_ptr = v_cache.data_ptr<float>();
+    float* out_ptr = out.data_ptr<float>();
+    const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> scores(decode_avx512::max_group<64>() * padded_context);
+      for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+        const int64_t s = task / tasks_per_seq;
+        const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
+        for (int64_t h = kv_begin; h < kv_begin + kv_per_task; ++h) {
+          const CachedRows rows{tables + s * shape.max_blocks, lens[s], shape.block_size,
+                                shape.num_kv_heads * shape.head_dim, h * shape.head_dim,
+                                shape.head_dim};
+          const float* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
+          float* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
+          if (shape.head_dim == 64) {
+            decode_avx512::attend_heads<64>(q_head, shape.q_head_stride, k_ptr, v_ptr, rows,
+                                     static_cast<float>(scale), out_head, scores.data(), per_kv);
+          } else {
+            decode_avx512::attend_heads<128>(q_head, shape.q_head_stride, k_ptr, v_ptr, rows,
+                                      static_cast<float>(scale), out_head, scores.data(), per_kv);
+          }
+        }
+      }
+    });
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
         const scalar_t* q_ptr = q.data_ptr<scalar_t>();
         const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
         const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
         scalar_t* out_ptr = out.data_ptr<scalar_t>();
-        at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
           std::vector<float> query(heads_per_task * shape.head_dim);
           std::vector<float> scores(heads_per_task * max_context_len);
           std::vector<float> acc(heads_per_task * shape.head_dim);
-          for (int64_t task = begin; task < end; ++task) {
+          for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
             const int64_t s = task / tasks_per_seq;
             const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
             attend_one<scalar_t>(q_ptr + s * shape.q_row_stride, k_ptr, v_ptr,
