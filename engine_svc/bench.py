@@ -1,12 +1,15 @@
 """Offline benchmark: our engine against Hugging Face `generate` on the same weights and
 prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
 
-    python -m engine_svc.bench --model DIR [--skip-hf]
+    python -m engine_svc.bench --model DIR [--skip-hf] [--rounds N]
 
-Each system runs in a fresh process of its own (`--system`, the result back as JSON), so
-neither inherits the other's threads, allocator settings or warm memory: our engine tunes
-glibc malloc for its process, and Hugging Face is measured as its users run it.
-Prints a table, then one JSON line with every figure.
+Each system runs in a process of its own (bench_worker.py), so neither inherits the other's
+threads, allocator settings or warm memory: our engine tunes glibc malloc for its process,
+and Hugging Face is measured as its users run it. The two are then alternated, round after
+round (batch, then one request alone), and the figures are medians: per system, and for
+the ratios, the median of each round's ratio, which compares the systems under the same
+conditions on a machine whose speed drifts. Prints a table, then one JSON line with every
+figure.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from engine_svc import bench_ceiling as ceiling
+from engine_svc.bench_worker import Worker, serve
 
 SINGLE_PROMPT_LEN = 128
 NUM_TTFT_TRIALS = 3
@@ -55,13 +59,21 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class SystemResult:
-    """One system's figures: start-up, the batched run, and one request on its own."""
+    """One system's figures: start-up, the batched runs, and one request on its own."""
 
     start_s: float
-    batch_s: float
-    single_s: float  # one request to `output_len` new tokens
-    ttft_s: float  # the same request to one new token
-    outputs: list[list[int]]
+    batch_rounds: list[float]
+    single_rounds: list[float]  # one request to `output_len` new tokens
+    ttft_s: float  # the same request to one new token, the best of NUM_TTFT_TRIALS
+    outputs: list[list[int]]  # the first batch's
+
+    @property
+    def batch_s(self) -> float:
+        return float(np.median(self.batch_rounds))
+
+    @property
+    def single_s(self) -> float:
+        return float(np.median(self.single_rounds))
 
     def tokens_per_s(self, workload: Workload) -> float:
         return workload.num_output_tokens / self.batch_s
@@ -81,27 +93,25 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     return Workload(prompts=prompts, single_prompt=single, output_len=args.output_len)
 
 
-def measure_system(
-    system: Callable[[], contextlib.AbstractContextManager[GenerateFn]], workload: Workload
-) -> SystemResult:
-    """Start a system, warm it up on a short request, then time the batch and one request."""
-    began = time.perf_counter()
-    with system() as generate:
-        start_s = time.perf_counter() - began
-        generate([workload.single_prompt[:8]], 4)
-        batch_s, outputs = _timed(lambda: generate(workload.prompts, workload.output_len))
-        if [len(o) for o in outputs] != [workload.output_len] * len(workload.prompts):
-            raise RuntimeError("a request stopped before its output length")
-        single = [workload.single_prompt]
-        single_s, _ = _timed(lambda: generate(single, workload.output_len))
-        ttft_s = min(_timed(lambda: generate(single, 1))[0] for _ in range(NUM_TTFT_TRIALS))
-    return SystemResult(start_s, batch_s, single_s, ttft_s, outputs)
-
-
-def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
-    began = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - began, result
+def measure_alternating(workers: dict[str, Worker], rounds: int) -> dict[str, SystemResult]:
+    """Each round runs the batch on every system in turn, then one request alone on each;
+    the best time to first token of NUM_TTFT_TRIALS comes last."""
+    batches: dict[str, list[float]] = {name: [] for name in workers}
+    singles: dict[str, list[float]] = {name: [] for name in workers}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for name, worker in workers.items():
+            answer = worker.ask("batch")
+            batches[name].append(answer["seconds"])
+            outputs.setdefault(name, answer["outputs"])
+        for name, worker in workers.items():
+            singles[name].append(worker.ask("single")["seconds"])
+    ttft = {name: min(w.ask("ttft")["seconds"] for _ in range(NUM_TTFT_TRIALS))
+            for name, w in workers.items()}  # fmt: skip
+    return {
+        name: SystemResult(worker.start_s, batches[name], singles[name], ttft[name], outputs[name])
+        for name, worker in workers.items()
+    }
 
 
 @contextlib.contextmanager
@@ -170,6 +180,7 @@ def summarize(
     processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / ours.batch_s
     decode_s = ours.decode_ms_per_token(workload) / 1000
     summary: Summary = {
+        "rounds": len(ours.batch_rounds),
         "num_prompts": len(workload.prompts),
         "prompt_tokens": workload.num_prompt_tokens,
         "output_len": workload.output_len,
@@ -179,10 +190,15 @@ def summarize(
         ),
     }
     if hf is not None:
+        # Round by round: each ratio compares the two under the same conditions.
+        throughput = [h / o for o, h in zip(ours.batch_rounds, hf.batch_rounds, strict=True)]
+        latency = [o / h for o, h in zip(ours.single_rounds, hf.single_rounds, strict=True)]
         summary |= {
             **_figures("hf", hf, workload),
-            "throughput_ratio": ours.tokens_per_s(workload) / hf.tokens_per_s(workload),
-            "latency_ratio": ours.ms_per_token(workload) / hf.ms_per_token(workload),
+            "throughput_ratio": float(np.median(throughput)),
+            "throughput_ratio_min": min(throughput),
+            "throughput_ratio_max": max(throughput),
+            "latency_ratio": float(np.median(latency)),
             "outputs_equal_hf": sum(a == b for a, b in zip(ours.outputs, hf.outputs, strict=True)),
         }
     return summary
@@ -221,7 +237,9 @@ def print_table(summary: Summary, dtype: str) -> None:
         print(f"{label:30}{cell('ours_' + key, spec):>10}{cell('hf_' + key, spec):>10}")
     if "throughput_ratio" in summary:
         print(
-            f"throughput ours/HF: {cell('throughput_ratio', '.2f')}x   "
+            f"throughput ours/HF: {cell('throughput_ratio', '.2f')}x (median of "
+            f"{summary['rounds']} alternating rounds; {cell('throughput_ratio_min', '.2f')}x-"
+            f"{cell('throughput_ratio_max', '.2f')}x)   "
             f"ms per token ours/HF: {cell('latency_ratio', '.2f')}x (lower is better)   "
             f"outputs equal to HF: {cell('outputs_equal_hf', 'd')}/{summary['num_prompts']}"
         )
@@ -258,15 +276,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of each system (medians)"
+    )
+    parser.add_argument(
         "--skip-structured", action="store_true", help="skip the structured-output step rate"
     )
-    # Internal: measure one system in this process and write its figures as JSON.
+    # Internal: serve one system as a bench worker (ours, hf), or measure the structured
+    # output rate and write it to --result-file as JSON.
     parser.add_argument("--system", choices=["ours", "hf", "structured"], help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.system is not None and not args.result_file:
-        parser.error("--system needs --result-file")
+    if args.system == "structured" and not args.result_file:
+        parser.error("--system structured needs --result-file")
+    if args.rounds < 1:
+        parser.error("need --rounds >= 1")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.num_prompts < 1 or args.output_len < 1:
@@ -277,11 +301,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.system is not None:
-        _measure_here(args)
+        _run_here(args)
         return
-    ours = SystemResult(**_in_subprocess(args, "ours"))
     structured = {} if args.skip_structured else _in_subprocess(args, "structured")
-    hf = None if args.skip_hf else SystemResult(**_in_subprocess(args, "hf"))
+    workers: dict[str, Worker] = {}
+    try:  # started one after the other, so that each start-up is timed alone
+        for name in ("ours",) if args.skip_hf else ("ours", "hf"):
+            workers[name] = Worker(_command(args, name))
+        results = measure_alternating(workers, args.rounds)
+    finally:
+        for worker in workers.values():
+            worker.close()
     config = json.loads((Path(args.model) / "config.json").read_text())
     workload = make_workload(args, config["vocab_size"])
     torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -290,38 +320,44 @@ def main(argv: list[str] | None = None) -> None:
     ceilings = ceilings.best(ceiling.measure_ceilings(_DTYPES[args.dtype]))
     bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
     summary = summarize(
-        workload, ours, hf, ceilings, ceiling.count_parameters(args.model), bytes_per_param
+        workload,
+        results["ours"],
+        results.get("hf"),
+        ceilings,
+        ceiling.count_parameters(args.model),
+        bytes_per_param,
     )
     summary.update(structured)
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
 
 
+def _command(args: argparse.Namespace, system: str) -> list[str]:
+    return [sys.executable, "-m", "engine_svc.bench", *args.argv, "--system", system]
+
+
 def _in_subprocess(args: argparse.Namespace, system: str) -> dict[str, Any]:
     """Run one system's measurement in a fresh Python; its output passes through."""
     with tempfile.TemporaryDirectory(prefix="duoserve-bench-") as folder:
         result = Path(folder) / "result.json"
-        command = [sys.executable, "-m", "engine_svc.bench", *args.argv]
-        subprocess.run([*command, "--system", system, "--result-file", str(result)], check=True)
+        subprocess.run([*_command(args, system), "--result-file", str(result)], check=True)
         data: dict[str, Any] = json.loads(result.read_text())
         return data
 
 
-def _measure_here(args: argparse.Namespace) -> None:
+def _run_here(args: argparse.Namespace) -> None:
     num_threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(num_threads)
+    if args.system == "structured":
+        Path(args.result_file).write_text(json.dumps(measure_structured(args)))
+        return
     config = json.loads((Path(args.model) / "config.json").read_text())
     workload = make_workload(args, config["vocab_size"])
-    data: dict[str, Any]
-    if args.system == "structured":
-        data = measure_structured(args)
-    elif args.system == "ours":
-        data = dataclasses.asdict(
-            measure_system(lambda: engine_system(args, num_threads), workload)
-        )
+    if args.system == "ours":
+        system = functools.partial(engine_system, args, num_threads)
     else:
-        data = dataclasses.asdict(measure_system(lambda: hf_system(args), workload))
-    Path(args.result_file).write_text(json.dumps(data))
+        system = functools.partial(hf_system, args)
+    serve(system, workload.prompts, workload.single_prompt, workload.output_len)
 
 
 if __name__ == "__main__":

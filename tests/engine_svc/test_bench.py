@@ -1,6 +1,7 @@
-"""`make bench` end to end on the tiny model: each system in its own process, the result back
-as JSON, the figures and the exactness count in one JSON line. Figures are not checked for
-speed (benchmarks measure speed; tests check that they run and agree with HF)."""
+"""`make bench` end to end on the tiny model: each system a worker process of its own, the two
+alternated round after round, the figures and the exactness count in one JSON line. Figures
+are not checked for speed (benchmarks measure speed; tests check that they run and agree
+with HF)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) 
     command = [
         sys.executable, "-m", "engine_svc.bench", "--model", str(tiny_model_dir),
         "--num-prompts", "3", "--output-len", "4", "--min-len", "4", "--max-len", "9",
-        "--skip-structured",
+        "--skip-structured", "--rounds", "2",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["num_prompts"] == 3 and summary["output_len"] == 4
+    assert summary["num_prompts"] == 3 and summary["output_len"] == 4 and summary["rounds"] == 2
     assert summary["outputs_equal_hf"] == 3  # greedy, the same tokens as Hugging Face
     for key in ("ours_tok_s", "hf_tok_s", "throughput_ratio", "latency_ratio", "mfu", "mbu"):
         assert summary[key] > 0, key
+    low, high = summary["throughput_ratio_min"], summary["throughput_ratio_max"]
+    assert low <= summary["throughput_ratio"] <= high
     assert "throughput ours/HF" in done.stdout
