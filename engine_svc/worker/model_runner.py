@@ -19,7 +19,7 @@ from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
-from engine_svc.worker.host_memory import keep_freed_activations, zeroed_host_tensor
+from engine_svc.worker.host_memory import zeroed_host_tensor
 from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
 from engine_svc.worker.sampler import Sampler
 
@@ -70,8 +70,6 @@ class ModelRunner:
         self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
         self.prefill_kernel = self.cpu_kernels and prefill_attention_available(dtype, spec.head_dim)
         self.model.use_fused_ops(self.cpu_kernels)
-        if device.type == "cpu":
-            keep_freed_activations()
 
     @property
     def weight_bytes(self) -> int:
