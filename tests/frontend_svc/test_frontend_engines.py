@@ -29,6 +29,8 @@ from tests.frontend_svc.service_processes import (
 )
 
 PROMPTS = [f"Request number {i} goes to some engine" for i in range(8)]
+STREAM_TOKENS = 1000  # near the tiny model's 1,024 positions: streams that last
+MAX_READINGS = 3
 
 
 class Cluster:
@@ -58,18 +60,33 @@ async def engine_load(address: str) -> int:
 
 async def loads_while_streaming(frontend: str, engines: list[str], count: int) -> list[int]:
     """Starts `count` long streams, reads each stream's first message, and returns each
-    engine's load at that point; then cancels the streams."""
+    engine's load at that point; then cancels the streams. On a loaded machine a stream can
+    end before the loads are read (the tiny model is fast), which spoils the reading: it is
+    then taken again, a bounded number of times."""
+    for _ in range(MAX_READINGS):
+        loads, all_streaming = await _read_loads_while_streaming(frontend, engines, count)
+        if all_streaming:
+            return loads
+    raise AssertionError(f"in {MAX_READINGS} readings a stream always ended too soon")
+
+
+async def _read_loads_while_streaming(
+    frontend: str, engines: list[str], count: int
+) -> tuple[list[int], bool]:
     async with grpc.aio.insecure_channel(frontend) as channel:
         stub = frontend_stub(channel)
         calls = [
             stub.GenerateStream(
-                pb.GenerateRequest(prompt=PROMPTS[i], sampling_params=greedy(500, ignore_eos=True))
+                pb.GenerateRequest(
+                    prompt=PROMPTS[i], sampling_params=greedy(STREAM_TOKENS, ignore_eos=True)
+                )
             )
             for i in range(count)
         ]
         try:
             await asyncio.wait_for(asyncio.gather(*(call.read() for call in calls)), 60)
-            return [await engine_load(address) for address in engines]
+            loads = [await engine_load(address) for address in engines]
+            return loads, not any(call.done() for call in calls)
         finally:
             for call in calls:
                 call.cancel()
