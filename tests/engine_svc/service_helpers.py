@@ -109,17 +109,21 @@ class ServiceProcess:
         """Run `action` on an idle engine; once the engine is idle again and its counter has
         settled, the tokens it generated meanwhile. The engine's own count, so a test of an
         abort measures what the aborted request cost, whatever the machine's speed."""
-        self.wait_idle(timeout_s)
-        before = self.generation_tokens_total()
+        before = self.settled_generation_tokens(timeout_s)
         action()
+        return self.settled_generation_tokens(timeout_s) - before
+
+    def settled_generation_tokens(self, timeout_s: float = 30.0) -> int:
+        """generation_tokens_total once the engine is idle and the count has stopped moving
+        (the last steps' stats may still be on the way)."""
         self.wait_idle(timeout_s)
         deadline = time.monotonic() + timeout_s
-        after = self.generation_tokens_total()
-        while time.monotonic() < deadline:  # the last steps' stats may still be on the way
+        count = self.generation_tokens_total()
+        while time.monotonic() < deadline:
             time.sleep(0.2)
-            settled, after = after, self.generation_tokens_total()
-            if settled == after:
-                return after - before
+            settled, count = count, self.generation_tokens_total()
+            if settled == count:
+                return count
         raise AssertionError(f"the engine's token count still moved after {timeout_s} s")
 
     def wait_idle(self, timeout_s: float) -> None:
