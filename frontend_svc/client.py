@@ -1,5 +1,6 @@
 """A small command-line client for people: `python -m frontend_svc.client "Tell me a story"
---stream --max-tokens 64` prints the text as it arrives; `--chat` holds a conversation."""
+--stream --max-tokens 64` prints the text as it arrives; `--chat` holds a conversation, and
+`--chat "question"` asks one question through the chat template."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from shared.frontend_protos import frontend_pb2_grpc
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend_svc.client", description=__doc__)
     add = parser.add_argument
-    add("prompt", nargs="?", help="the prompt (omit with --chat)")
+    add("prompt", nargs="?", help="the prompt (with --chat: one question, then exit)")
     add("--address", default="127.0.0.1:50051", help="the frontend (default: %(default)s)")
     add("--chat", action="store_true", help="talk to the model with its chat template")
     add("--system", help="a system message for --chat")
@@ -98,6 +99,9 @@ def generate(
 
 def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    if args.prompt is not None:
+        ask(stub, history, args.prompt, args)
+        return
     print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
     while True:
         try:
@@ -106,17 +110,29 @@ def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace
             break
         if not line:
             break
-        history.append(pb.ChatMessage(role="user", content=line))
-        request = pb.GenerateRequest(messages=history, sampling_params=sampling_params(args))
-        reply = generate(stub, request, args)
-        history.append(pb.ChatMessage(role="assistant", content=reply))
+        ask(stub, history, line, args)
+
+
+def ask(
+    stub: frontend_pb2_grpc.GenerationServiceStub,
+    history: list[pb.ChatMessage],
+    question: str,
+    args: argparse.Namespace,
+) -> None:
+    """One turn: the question and the printed reply join `history`."""
+    history.append(pb.ChatMessage(role="user", content=question))
+    request = pb.GenerateRequest(messages=history, sampling_params=sampling_params(args))
+    reply = generate(stub, request, args)
+    history.append(pb.ChatMessage(role="assistant", content=reply))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.prompt is None) != args.chat:
+    if args.prompt is None and not args.chat:
         parser.error("give a prompt, or --chat")
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
     if args.chat:
         args.stream = args.stream or args.n == 1  # a conversation reads best as it arrives
     with grpc.insecure_channel(args.address) as channel:

@@ -71,6 +71,12 @@ def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir:
         chat = client(address, "--chat", "--max-tokens", "4", stdin="Hi there\nAnd again\n\n")
         assert chat.returncode == 0, chat.stderr
         assert chat.stdout.count("you> ") == 3
+        one_turn = client(address, "--chat", "Hi there", "--max-tokens", "4", "--temperature", "0")
+        assert one_turn.returncode == 0, one_turn.stderr
+        assert "you> " not in one_turn.stdout and one_turn.stdout.strip()
+        assert "4 completion tokens" in one_turn.stderr
+        misuse = client(address, "A prompt", "--system", "You are brief.")
+        assert misuse.returncode == 2 and "--system needs --chat" in misuse.stderr
 
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 0
