@@ -5,9 +5,11 @@
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
 causal attention of a step's prompt chunks (both float32, AVX-512). All live in
 engine_svc/kernels/csrc and are used by engine_svc/models/llama.py when the model runner
-turns them on. The build is JIT (torch.utils.cpp_extension, `-march=native`), cached under
-~/.cache/duoserve/kernels, one folder per CPU-feature set, so a later start only loads the
-library; `make kernels` builds it ahead. Where it cannot build (no compiler), or with
+turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
+they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
+later start only loads the library; `make kernels` builds it ahead, and DUOSERVE_CPU_ARCH
+names portable levels to build instead ("x86-64-v4,x86-64-v3": each machine loads the best
+it runs). Where it cannot build (no compiler), or with
 DUOSERVE_CPU_KERNELS=0, the model takes the plain-torch path, which gives the same results
 to float rounding.
 """

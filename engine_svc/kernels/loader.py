@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from engine_svc.kernels.build import build_library, compile_flags
+
 logger = logging.getLogger(__name__)
 
 NAME = "duoserve_cpu_kernels"
@@ -29,8 +31,9 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 PACKED_BLOCK_SIZES = (64, 48, 32)  # columns per packed weight block, preferred first
 ENABLE_ENV = "DUOSERVE_CPU_KERNELS"  # "0": never build or load them
 CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duoserve/kernels)
-# -march for the build: "native" for the machine at hand (the default), or a portable level
-# such as x86-64-v3 (AVX2) for an image built once and run on many nodes.
+# -march for the build: "native" for the machine at hand (the default), or portable levels,
+# best first and comma-separated ("x86-64-v4,x86-64-v3"): an image built once for many nodes
+# holds a library per level, and each node loads the first level its CPU runs.
 ARCH_ENV = "DUOSERVE_CPU_ARCH"
 # CPU flags each portable level needs, checked before loading a build made for it.
 _ARCH_REQUIRES = {"x86-64-v3": {"avx2", "fma", "bmi2"}, "x86-64-v4": {"avx512f", "avx512bw"}}
@@ -43,35 +46,45 @@ def cache_root() -> Path:
     return Path(base) / "duoserve" / "kernels"
 
 
-def _arch() -> str:
-    return os.environ.get(ARCH_ENV) or "native"
+def build_levels() -> list[str]:
+    """The -march levels asked for, best first."""
+    value = os.environ.get(ARCH_ENV, "")
+    return [level.strip() for level in value.split(",") if level.strip()] or ["native"]
 
 
-def _cflags() -> list[str]:
-    return ["-O3", f"-march={_arch()}", "-fopenmp"]
+def load_level() -> str | None:
+    """The first level asked for that this CPU runs (a level we know no flags of counts as
+    runnable), or None."""
+    flags = _cpu_flags()
+    return next((lv for lv in build_levels() if _ARCH_REQUIRES.get(lv, set()) <= flags), None)
 
 
-def build_dir() -> Path:
+def build_dir(level: str) -> Path:
     """One folder per build: the sources, torch, Python, flags, and for a native build this
     CPU's features (a home directory shared by unlike machines gets one build each)."""
     digest = hashlib.sha256()
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
-    parts = [torch.__version__, sys.version, platform.machine(), *_cflags()]
+    parts = [torch.__version__, sys.version, platform.machine(), *compile_flags(level)]
     digest.update(" ".join(parts).encode())
-    if _arch() == "native":
+    if level == "native":
         digest.update(" ".join(sorted(_cpu_flags())).encode())
     return cache_root() / digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> set[str]:
+def library_path(level: str) -> Path:
+    return build_dir(level) / f"{NAME}.so"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 @functools.cache
@@ -82,52 +95,30 @@ def cpu_kernels_available() -> bool:
         return False
     if sys.platform != "linux":
         return False
-    missing = _ARCH_REQUIRES.get(_arch(), set()) - _cpu_flags()
-    if missing:
-        logger.warning("CPU kernels built for %s need %s: plain torch", _arch(), sorted(missing))
+    level = load_level()
+    if level is None:
+        needs = {lv: sorted(_ARCH_REQUIRES.get(lv, set()) - _cpu_flags()) for lv in build_levels()}
+        logger.warning(
+            "CPU kernels: this CPU runs none of the levels built (%s): plain torch", needs
+        )
         return False
     try:
-        _load()
+        _build(level)
+        torch.ops.load_library(str(library_path(level)))
     except Exception as error:  # no compiler, no headers: degrade, loudly
         logger.warning("CPU kernels unavailable, the model runs in plain torch: %s", error)
         return False
     return True
 
 
-def _load() -> None:
-    folder = build_dir()
-    library = folder / f"{NAME}.so"
-    if library.exists():  # built before: no compiler needed to load it
-        torch.ops.load_library(str(library))
+def _build(level: str) -> None:
+    library = library_path(level)
+    if library.exists():  # built before: no compiler needed
         return
-    from torch.utils import cpp_extension
-
-    folder.mkdir(parents=True, exist_ok=True)
-    _put_ninja_on_path()
     began = time.perf_counter()
-    logger.info("building the CPU kernels into %s (once per machine)", folder)
-    cpp_extension.load(  # builds under a file lock, then loads the library
-        name=NAME,
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=_cflags(),
-        build_directory=str(folder),
-        is_python_module=False,
-        verbose=False,
-    )
+    logger.info("building the CPU kernels for %s into %s (once)", level, library.parent)
+    build_library(SOURCES, library, level)
     logger.info("CPU kernels built in %.1f s", time.perf_counter() - began)
-
-
-def _put_ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the pip-installed one sits beside Python."""
-    try:
-        import ninja  # type: ignore[import-untyped]
-
-        bin_dir = str(ninja.BIN_DIR)
-    except ImportError:
-        bin_dir = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    if bin_dir not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
@@ -144,12 +135,12 @@ def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def _avx512_kernels() -> bool:
-    # A native build on an AVX-512 CPU compiles the AVX-512 paths (-march=native); a
-    # portable x86-64-v3 build does not.
+    # A native build on an AVX-512 CPU compiles the AVX-512 paths (-march=native), as does
+    # an x86-64-v4 build; a portable x86-64-v3 build does not.
     return (
         platform.machine() in ("x86_64", "AMD64")
         and "avx512f" in _cpu_flags()
-        and _arch() in ("native", "x86-64-v4")
+        and load_level() in ("native", "x86-64-v4")
         and cpu_kernels_available()
     )
 
@@ -181,8 +172,12 @@ def paged_decode_attention(
 
 
 def main() -> None:
-    """`python -m engine_svc.kernels`: build now (make install, an image build), say where."""
+    """`python -m engine_svc.kernels`: build every level asked for now (make install, an
+    image build), load the one this CPU runs, and print each library's folder."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for level in build_levels():
+        _build(level)
     if not cpu_kernels_available():
-        raise SystemExit("CPU kernels could not be built; see the warning above")
-    print(build_dir())
+        raise SystemExit("CPU kernels could not be built or loaded; see the warning above")
+    for level in build_levels():
+        print(build_dir(level))

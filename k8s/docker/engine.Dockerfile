@@ -38,16 +38,17 @@ COPY protos protos
 RUN mkdir gen \
     && find protos -name '*.proto' -exec /opt/protoc/bin/python -m grpc_tools.protoc -I protos \
         --python_out=gen --grpc_python_out=gen {} +
-# The C++ CPU kernels (engine_svc/kernels), built here for a portable x86-64 level (AVX2) so
-# that the runtime image needs no compiler; a node without AVX2, or an image of another
-# architecture (built without them), runs the plain-torch layers.
+# The C++ CPU kernels (engine_svc/kernels), built here so that the runtime image needs no
+# compiler: a library for x86-64-v4 (AVX-512: packed projections, prefill attention, the fast
+# decode path) and one for x86-64-v3 (AVX2); each node loads the best its CPU runs. A node
+# without AVX2, or an image of another architecture (built without them), runs plain torch.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY engine_svc engine_svc
 COPY shared shared
-ENV DUOSERVE_CPU_ARCH=x86-64-v3 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
+ENV DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
 RUN mkdir -p /opt/duoserve-kernels \
     && if [ "$(uname -m)" = x86_64 ]; then \
         PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels; \
@@ -76,7 +77,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
-    DUOSERVE_CPU_ARCH=x86-64-v3 \
+    DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3 \
     DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
 WORKDIR /app
 USER 10001:10001
