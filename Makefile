@@ -11,7 +11,7 @@ TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install kernels tools prometheus model proto test k8s-check run demo run-engine run-frontend bench lint clean
+.PHONY: install kernels tools prometheus cross-compiler model proto test k8s-check run demo run-engine run-frontend bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ prometheus:
 		(apt-get update && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y --no-install-recommends prometheus)
 
+# An aarch64 cross compiler (Debian's g++-aarch64-linux-gnu, as root): the kernel tests
+# compile the NEON code with it, so an x86 machine checks that the ARM build still compiles.
+cross-compiler:
+	@command -v aarch64-linux-gnu-g++ >/dev/null || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends g++-aarch64-linux-gnu)
+
 # Python code (and mypy stubs) for every .proto under protos/, into the git-ignored gen/.
 # shared/protos.py is the one import point for it.
 $(GEN_STAMP): $(STAMP) $(PROTOS)
@@ -53,9 +60,13 @@ proto: $(GEN_STAMP)
 
 # The C++ CPU kernels (engine_svc/kernels), built for this machine into ~/.cache/duoserve:
 # now rather than at the first engine start (about 10 s). Without a compiler the engine still
-# runs, on plain-torch attention; this target then fails and says why.
+# runs, on plain-torch attention; this target then fails and says why. The portable x86-64
+# levels are built too on x86 (about 40 s each, once): the tests run the AVX2 and plain-C++
+# code wherever the CPU can (tests/engine_svc/test_kernel_levels.py).
 $(KERNEL_STAMP): $(STAMP) $(KERNEL_SOURCES)
 	$(PY) -m engine_svc.kernels
+	if [ "$$(uname -m)" = x86_64 ]; then \
+		DUOSERVE_CPU_ARCH=x86-64-v3,x86-64 $(PY) -m engine_svc.kernels --build-only; fi
 	touch $(KERNEL_STAMP)
 
 kernels: $(KERNEL_STAMP)
@@ -70,7 +81,7 @@ lint: $(GEN_STAMP)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy engine_svc frontend_svc shared
 
-test: $(GEN_STAMP) $(KERNEL_STAMP) $(TOOLS_STAMP) prometheus
+test: $(GEN_STAMP) $(KERNEL_STAMP) $(TOOLS_STAMP) prometheus cross-compiler
 	@$(PY) -m shared.model_store >/dev/null
 	$(MAKE) lint
 	$(PY) -m pytest -q -ra

@@ -16,6 +16,7 @@ to float rounding.
 
 from engine_svc.kernels.loader import (
     cpu_kernels_available,
+    describe,
     packed_block_size,
     packed_linear_available,
     paged_decode_attention,
@@ -24,6 +25,7 @@ from engine_svc.kernels.loader import (
 
 __all__ = [
     "cpu_kernels_available",
+    "describe",
     "packed_block_size",
     "packed_linear_available",
     "paged_decode_attention",

@@ -35,6 +35,8 @@ def compile_flags(arch: str) -> list[str]:
         *includes,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-fPIC",
+        "-fvisibility=hidden",
+        "-fvisibility-inlines-hidden",
         "-std=c++20",
         "-O3",
         f"-march={arch}",

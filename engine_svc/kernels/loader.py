@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -25,10 +26,13 @@ SOURCES = [
         "prefill_attention.cpp",
         "norm_rotary.cpp",
         "packed_linear.cpp",
+        "capability.cpp",
     )
 ]
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-PACKED_BLOCK_SIZES = (64, 48, 32)  # columns per packed weight block, preferred first
+# Vector levels where the packed projections and the prefill kernel were measured faster
+# than torch (make bench, tests/engine_svc/test_kernel_speed.py); elsewhere torch's.
+FAST_CAPABILITIES = frozenset({"avx512", "avx2"})
 ENABLE_ENV = "DUOSERVE_CPU_KERNELS"  # "0": never build or load them
 CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duoserve/kernels)
 # -march for the build: "native" for the machine at hand (the default), or portable levels,
@@ -87,6 +91,52 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """The library this process loaded."""
+
+    level: str  # the -march level it was built for: "native", "x86-64-v3", ...
+    capability: str  # the vector code compiled in: "avx512", "avx2", "neon" or "default"
+    lanes: int  # float32 lanes of a vector
+    # Vectors per packed weight block, the register tile's fastest first (capability.cpp).
+    block_vectors: tuple[int, ...]
+
+    @property
+    def fast(self) -> bool:
+        return self.capability in FAST_CAPABILITIES
+
+
+def loaded_build() -> KernelBuild | None:
+    """The kernels' build in this process, loading it if need be; None without kernels."""
+    if not cpu_kernels_available():
+        return None
+    level = load_level()
+    assert level is not None
+    ops = torch.ops.duoserve
+    return KernelBuild(
+        level,
+        str(ops.cpu_capability()),
+        int(ops.vector_lanes()),
+        tuple(int(v) for v in ops.packed_block_vectors()),
+    )
+
+
+def describe(dtype: torch.dtype, head_dim: int) -> str:
+    """One line for the start-up log: the build loaded and the fast paths it turns on."""
+    build = loaded_build()
+    if build is None:
+        return "CPU kernels off: plain torch"
+    paths = ["decode attention", "fused norms, rotary and silu*up"]
+    if packed_linear_available(dtype):
+        paths.insert(0, "packed projections")
+    if prefill_attention_available(dtype, head_dim):
+        paths.insert(1, "prefill attention")
+    return (
+        f"CPU kernels: {build.level} build ({build.capability}, {build.lanes} float32 lanes); "
+        f"on: {', '.join(paths)}"
+    )
+
+
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Build or load the kernels once per process; False (and a warning) when they cannot be."""
@@ -122,39 +172,42 @@ def _build(level: str) -> None:
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
-    """Whether `packed_linear` serves this dtype on this CPU: float32, where oneDNN's brgemm
-    and our register-tile kernel have AVX-512 code (measured faster than MKL here).
-    Elsewhere torch's matmul stays."""
-    return dtype == torch.float32 and _avx512_kernels()
+    """Whether `packed_linear` serves this dtype here: float32, on a level where it was
+    measured faster than torch's matmul (AVX-512 and AVX2). Elsewhere torch's matmul stays."""
+    build = loaded_build() if dtype == torch.float32 else None
+    return build is not None and build.fast
 
 
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention_` serves this model: float32, head_dim a multiple of 64,
-    an AVX-512 build. Elsewhere prompts attend through torch's SDPA."""
-    return dtype == torch.float32 and head_dim % 64 == 0 and _avx512_kernels()
+    """Whether `prefill_attention_` serves this model: float32, head_dim a multiple of the
+    kernel's key panel (4 vectors: 64 floats on AVX-512, 32 on AVX2), on a level where it was
+    measured faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
+    build = loaded_build() if dtype == torch.float32 else None
+    return build is not None and build.fast and head_dim % (4 * build.lanes) == 0
 
 
-def _avx512_kernels() -> bool:
-    # A native build on an AVX-512 CPU compiles the AVX-512 paths (-march=native), as does
-    # an x86-64-v4 build; a portable x86-64-v3 build does not.
-    return (
-        platform.machine() in ("x86_64", "AMD64")
-        and "avx512f" in _cpu_flags()
-        and load_level() in ("native", "x86-64-v4")
-        and cpu_kernels_available()
-    )
-
-
-def packed_block_size(out_features: int, num_threads: int | None = None) -> int:
-    """Columns per packed block: the size that splits `out_features` most evenly over the
-    threads (each takes whole blocks), the widest on a tie. 576 columns on 2 threads: 48."""
+def packed_block_size(
+    out_features: int,
+    num_threads: int | None = None,
+    lanes: int | None = None,
+    block_vectors: tuple[int, ...] | None = None,
+) -> int:
+    """Columns per packed block, a whole number of vectors: the width that splits
+    `out_features` most evenly over the threads (each takes whole blocks), and on a tie the
+    width the register tile runs fastest (this build's `block_vectors`). 576 columns on 2
+    threads: 48 with AVX-512 (16 lanes, 4 vectors preferred), 24 with AVX2 (8 lanes, 3)."""
     threads = num_threads or torch.get_num_threads()
+    if lanes is None or block_vectors is None:
+        build = loaded_build()
+        lanes = lanes or (build.lanes if build is not None else 16)
+        block_vectors = block_vectors or (build.block_vectors if build is not None else (4, 3, 2))
 
     def widest_share(block: int) -> int:
         blocks = -(-out_features // block)
         return -(-blocks // threads) * block
 
-    return min(PACKED_BLOCK_SIZES, key=lambda block: (widest_share(block), -block))
+    sizes = [vectors * lanes for vectors in block_vectors]
+    return min(sizes, key=lambda block: (widest_share(block), sizes.index(block)))
 
 
 def paged_decode_attention(
@@ -171,13 +224,17 @@ def paged_decode_attention(
     )
 
 
-def main() -> None:
-    """`python -m engine_svc.kernels`: build every level asked for now (make install, an
-    image build), load the one this CPU runs, and print each library's folder."""
+def main(argv: list[str] | None = None) -> None:
+    """`python -m engine_svc.kernels [--build-only]`: build every level asked for now (make
+    install, an image build), load the one this CPU runs unless told not to, and print each
+    library's folder."""
+    build_only = "--build-only" in (sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for level in build_levels():
         _build(level)
-    if not cpu_kernels_available():
-        raise SystemExit("CPU kernels could not be built or loaded; see the warning above")
+    if not build_only:
+        if not cpu_kernels_available():
+            raise SystemExit("CPU kernels could not be built or loaded; see the warning above")
+        print(describe(torch.float32, 64))
     for level in build_levels():
         print(build_dir(level))

@@ -14,7 +14,7 @@ from engine_svc.core.sched.output import (
     PendingSample,
     SchedulerOutput,
 )
-from engine_svc.kernels import cpu_kernels_available, prefill_attention_available
+from engine_svc.kernels import cpu_kernels_available, describe, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
@@ -70,6 +70,10 @@ class ModelRunner:
         self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
         self.prefill_kernel = self.cpu_kernels and prefill_attention_available(dtype, spec.head_dim)
         self.model.use_fused_ops(self.cpu_kernels)
+        if device.type == "cpu":
+            logger.info(
+                "%s", describe(dtype, spec.head_dim) if self.cpu_kernels else "CPU kernels off"
+            )
 
     @property
     def weight_bytes(self) -> int:

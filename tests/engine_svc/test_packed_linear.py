@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_svc.kernels import cpu_kernels_available, packed_block_size, packed_linear_available
+from engine_svc.kernels.loader import loaded_build
 from engine_svc.models.llama import Projection
 
 
@@ -30,12 +31,21 @@ def _worst_error(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     return (result.double() - exact).abs().max().item()
 
 
+def _lanes() -> int:
+    build = loaded_build()
+    assert build is not None
+    return build.lanes
+
+
 @pytest.mark.parametrize("rows", [1, 5, 64, 128, 129, 600])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 576), (960, 1536)])
-@pytest.mark.parametrize("block", [32, 48, 64])
+# Blocks of 2, 3 and 4 vectors take the register tile up to 128 rows; 40 columns, a width
+# it has no tile for, take brgemm at every row count.
+@pytest.mark.parametrize("vectors", [2, 3, 4, None])
 def test_packed_linear_is_as_close_as_torch_to_float64(
-    rows: int, out_features: int, in_features: int, block: int
+    rows: int, out_features: int, in_features: int, vectors: int | None
 ) -> None:
+    block = 40 if vectors is None else vectors * _lanes()
     weight, bias = _weights(out_features, in_features)
     # x as the model can have it: rows of a wider buffer (a stride, not contiguous).
     wide = torch.randn(rows, in_features + 7, generator=torch.Generator().manual_seed(1))
@@ -80,10 +90,22 @@ def test_bad_inputs_raise_errors_that_name_the_problem() -> None:
 
 
 def test_block_size_splits_the_columns_evenly_over_the_threads() -> None:
-    assert packed_block_size(576, num_threads=2) == 48  # 12 blocks, 6 each (64: 5 and 4)
-    assert packed_block_size(3072, num_threads=2) == 64
-    assert packed_block_size(100, num_threads=2) == 64  # 2 blocks, one each
-    assert packed_block_size(576, num_threads=1) == 64
+    def size(columns: int, threads: int, lanes: int, vectors: tuple[int, ...]) -> int:
+        return packed_block_size(columns, threads, lanes, vectors)
+
+    # AVX-512: 16 lanes, 4 vectors preferred; blocks of 64, 48 or 32 columns.
+    avx512 = (16, (4, 3, 2))
+    assert size(576, 2, *avx512) == 48  # 12 blocks, 6 each (64: 5 and 4)
+    assert size(3072, 2, *avx512) == 64
+    assert size(100, 2, *avx512) == 64  # 2 blocks, one each
+    assert size(576, 1, *avx512) == 64
+    # AVX2: 8 lanes, 3 vectors preferred (a 4 x 3 tile); blocks of 24, 16 or 32 columns.
+    avx2 = (8, (3, 2, 4))
+    assert size(576, 2, *avx2) == 24  # 24 blocks, 12 each; 16 and 32 split as evenly
+    assert size(200, 2, *avx2) == 16  # 13 blocks, 7 and 6 (24: 5 and 4)
+    build = loaded_build()
+    assert build is not None and sorted(build.block_vectors) == [2, 3, 4]
+    assert packed_block_size(576) % build.lanes == 0  # this build's own
 
 
 def test_projection_switches_layouts_and_back_without_loss() -> None:

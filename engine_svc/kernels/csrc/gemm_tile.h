@@ -1,50 +1,52 @@
-// The AVX-512 register-tile GEMM step shared by the kernels: C = A . panel (+ bias) for a
-// few rows at a time, the panel being K rows of 16 x kVecs contiguous columns.
+// The register-tile GEMM step shared by the kernels: C = A . panel (+ bias) for a few rows
+// at a time, the panel being K rows of kVecs vectors of contiguous columns. Written on
+// Vectorized<float>, so the tile is sized for each level's registers (vec.h).
 #pragma once
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
 
-namespace duoserve::avx512 {
+namespace duoserve {
 
-// C[rows x cols] = A[rows x K] . panel[K x 16 * kVecs] (+ bias), with kRows x kVecs
+// C[rows x cols] = A[rows x K] . panel[K x kLanes * kVecs] (+ bias), with kRows x kVecs
 // accumulators in registers. `prefetch` lines of the next panel are requested over the loop.
 template <int kRows, int kVecs>
 void register_tile(const float* __restrict a, int64_t lda, const float* __restrict panel,
                    int64_t k, const float* __restrict bias, float* __restrict c, int64_t ldc,
                    int64_t cols, const char* next, int64_t prefetch) {
-  __mmask16 lanes[kVecs];  // the columns that exist: the last block may be padding
-  __m512 acc[kRows][kVecs];
+  int64_t lanes[kVecs];  // the columns that exist: the last block may be padding
+  vreg acc[kRows][kVecs];
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t count = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-    lanes[v] = static_cast<__mmask16>((1u << count) - 1);
-    const __m512 init =
-        bias != nullptr ? _mm512_maskz_loadu_ps(lanes[v], bias + 16 * v) : _mm512_setzero_ps();
+    lanes[v] = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
+    const vreg init = bias != nullptr ? fvec::loadu(bias + kLanes * v, lanes[v]) : fvec(0.0f);
     for (int r = 0; r < kRows; ++r) acc[r][v] = init;
   }
   const int64_t per_step = (prefetch + k - 1) / k;
   for (int64_t kk = 0; kk < k; ++kk) {
     for (int64_t line = kk * per_step; line < std::min(prefetch, (kk + 1) * per_step); ++line) {
-      _mm_prefetch(next + 64 * line, _MM_HINT_T1);
+      prefetch_l2(next + 64 * line);
     }
-    __m512 b[kVecs];
-    for (int v = 0; v < kVecs; ++v) b[v] = _mm512_loadu_ps(panel + (kk * kVecs + v) * 16);
+    vreg b[kVecs];
+    for (int v = 0; v < kVecs; ++v) b[v] = fvec::loadu(panel + (kk * kVecs + v) * kLanes);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + kk]);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(x, b[v], acc[r][v]);
+      const vreg x = fvec(a[r * lda + kk]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = fmadd(x, b[v], acc[r][v]);
     }
   }
   for (int v = 0; v < kVecs; ++v) {
-    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, lanes[v], acc[r][v]);
+    for (int r = 0; r < kRows; ++r) fvec(acc[r][v]).store(c + r * ldc + kLanes * v, lanes[v]);
   }
 }
 
-// The rows of a tile that fit the registers: 24 accumulators, whatever the block width.
+// The rows of a tile that fit the registers: kTileAccumulators at most, and room left for
+// the panel's kVecs vectors and the broadcast value (AVX2's 16 registers: 2 rows of 4
+// vectors, 4 of 3, 6 of 2; AVX-512's 32: 6, 8 and 12).
 template <int kVecs>
-constexpr int tile_rows() { return 24 / kVecs; }
+constexpr int tile_rows() {
+  return std::min(kTileAccumulators / kVecs, (kVectorRegisters - kVecs - 1) / kVecs);
+}
 
 template <int kVecs, int kRows = tile_rows<kVecs>()>
 void register_tile_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
@@ -66,7 +68,7 @@ void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int6
                 const float* bias, float* c, int64_t ldc, int64_t cols, const float* next) {
   constexpr int64_t kRows = tile_rows<kVecs>();
   const int64_t tiles = (m + kRows - 1) / kRows;
-  const int64_t lines = next == nullptr ? 0 : k * kVecs * 16 * 4 / 64;
+  const int64_t lines = next == nullptr ? 0 : k * kVecs * kLanes * 4 / 64;
   const int64_t share = (lines + tiles - 1) / tiles;
   const char* next_bytes = reinterpret_cast<const char*>(next);
   for (int64_t t = 0; t < tiles; ++t) {
@@ -77,5 +79,23 @@ void panel_rows(const float* a, int64_t lda, int64_t m, const float* panel, int6
   }
 }
 
-}  // namespace duoserve::avx512
-#endif  // __AVX512F__
+// A panel kVecs vectors wide, for a width known only at run time (2, 3 or 4 vectors).
+inline bool panel_rows_any(int64_t vectors, const float* a, int64_t lda, int64_t m,
+                           const float* panel, int64_t k, const float* bias, float* c,
+                           int64_t ldc, int64_t cols, const float* next) {
+  switch (vectors) {
+    case 4:
+      panel_rows<4>(a, lda, m, panel, k, bias, c, ldc, cols, next);
+      return true;
+    case 3:
+      panel_rows<3>(a, lda, m, panel, k, bias, c, ldc, cols, next);
+      return true;
+    case 2:
+      panel_rows<2>(a, lda, m, panel, k, bias, c, ldc, cols, next);
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace duoserve

@@ -8,13 +8,14 @@
 // bit-identical; RMSNorm's mean of squares is summed in another order than torch's, which can
 // move the result by an ulp.
 
+#include "vec.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 
-#include "vec_math.h"
 
 namespace duoserve {
 namespace {
@@ -130,12 +131,11 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
 
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
 // silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) with a vectorized exp (within
-// 2 ulp of expf, so within a few ulp of torch's silu); elsewhere than AVX-512, torch's ops.
+// 2 ulp of expf, so within a few ulp of torch's silu) in float32; other dtypes, torch's ops.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [rows, 2 * width], rows contiguous");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
-#if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) {
     auto out = at::empty({rows, width}, x.options());
     const float* in = x.data_ptr<float>();
@@ -146,20 +146,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const float* gate = in + r * row_stride;
         const float* up = gate + width;
         float* o = dst + r * width;
-        for (int64_t i = 0; i < width; i += 16) {
-          const __mmask16 lanes =
-              static_cast<__mmask16>((1u << std::min<int64_t>(16, width - i)) - 1);
-          const __m512 g = _mm512_maskz_loadu_ps(lanes, gate + i);
-          const __m512 u = _mm512_maskz_loadu_ps(lanes, up + i);
-          const __m512 e = avx512::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-          _mm512_mask_storeu_ps(o + i, lanes, _mm512_mul_ps(silu, u));
+        for (int64_t i = 0; i < width; i += kLanes) {
+          const int64_t count = std::min<int64_t>(kLanes, width - i);
+          const fvec g = fvec::loadu(gate + i, count);
+          const fvec silu = g / (fvec(1.0f) + exp(fvec(0.0f) - g));
+          (silu * fvec::loadu(up + i, count)).store(o + i, count);
         }
       }
     });
     return out;
   }
-#endif
   return at::silu(x.narrow(1, 0, width)) * x.narrow(1, width, width);
 }
 

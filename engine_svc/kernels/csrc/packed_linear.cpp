@@ -6,7 +6,8 @@
 // [ceil(N / block), K, block] (the last block zero-padded), so each block is one contiguous
 // K x block panel, read as is. Threads split the column blocks.
 //
-// Up to 128 rows (decode steps), an AVX-512 register-tile kernel of our own computes a panel
+// Up to 128 rows (decode steps), a register-tile kernel of our own (gemm_tile.h, one source
+// for AVX-512, AVX2 and NEON) computes a panel
 // while it prefetches the thread's next panel into L2, spread over its loop: the weights
 // stream from memory at every step, and oneDNN's brgemm, which does not prefetch, stalled on
 // each panel's first pass. More rows (prefill), brgemm (oneDNN's batch-reduce GEMM kernel,
@@ -18,6 +19,8 @@
 //
 // The sums run in another order than MKL's, so results differ from torch's by float
 // rounding (relative 1e-6), as two BLAS libraries do.
+
+#include "vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -85,27 +88,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* b_ptr = packed.data_ptr<float>();
   const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c_ptr = out.data_ptr<float>();
-#if defined(__AVX512F__)
-  if (m <= kMaxRegisterTileRows && (block == 32 || block == 48 || block == 64)) {
+  const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
+  if (m <= kMaxRegisterTileRows && vectors >= 2 && vectors <= kPanelVectors) {
     at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const float* panel = b_ptr + b * k * block;
         const float* next = b + 1 < end ? panel + k * block : nullptr;
         const float* panel_bias = bias_ptr != nullptr ? bias_ptr + b * block : nullptr;
         const int64_t cols = std::min(block, n - b * block);
-        float* c = c_ptr + b * block;
-        if (block == 64) {
-          avx512::panel_rows<4>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
-        } else if (block == 48) {
-          avx512::panel_rows<3>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
-        } else {
-          avx512::panel_rows<2>(a_ptr, lda, m, panel, k, panel_bias, c, n, cols, next);
-        }
+        panel_rows_any(vectors, a_ptr, lda, m, panel, k, panel_bias, c_ptr + b * block, n, cols,
+                       next);
       }
     });
     return out;
   }
-#endif
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
       const int64_t rows = std::min(kRowTile, m - m0);

@@ -8,6 +8,8 @@
 // Math is in float32 whatever the cache dtype: scores = q.k * scale, a max-subtracted
 // softmax over the context, then the probability-weighted sum of V.
 
+#include "vec.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,7 +20,6 @@
 #include <limits>
 #include <vector>
 
-#include "vec_math.h"
 
 namespace duoserve {
 namespace {
@@ -142,54 +143,34 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
 }
 
 
-#if defined(__AVX512F__)
-// The float32 path with AVX-512, for head_dim 64 and 128 (compile-time widths, so every
-// accumulator lives in a register). Per KV head, `kGroup` query heads at a time:
-// - scores 16 tokens at a time: each token's dot product folds into one 16-lane vector,
-//   and one transpose-and-add tree turns the 16 vectors into the 16 scores (in place of 16
-//   horizontal sums);
-// - softmax with the vectorized exp of vec_math.h;
+// The float32 path on Vectorized<float> (vec.h), for the head sizes below (compile-time
+// widths, so the accumulators can live in registers). Per KV head, `kGroup` query heads at
+// a time:
+// - scores kLanes tokens at a time: each token's dot product folds into one vector, and
+//   one transpose-and-add tree turns the kLanes vectors into the kLanes scores (in place
+//   of kLanes horizontal sums);
+// - softmax with the vectorized exp of vec.h;
 // - the weighted sum of V with the query heads' accumulators in registers.
-namespace decode_avx512 {
-
-// Lane i of the result is the sum of the 16 lanes of v[i].
-inline __m512 transpose_sum16(__m512 v[16]) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int j = 0; j < 8; ++j) {
-    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  }
-  for (int j = 0; j < 4; ++j) {
-    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
-  }
-  for (int j = 0; j < 2; ++j) {
-    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0xDD));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-}
+namespace decode_vec {
 
 template <int kDim, int kGroup>
 void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const float* __restrict k_cache,
                     const float* __restrict v_cache, const CachedRows& rows, float scale,
                     float* __restrict out, float* __restrict scores) {
-  constexpr int kVecs = kDim / 16;
+  constexpr int kVecs = kDim / kLanes;
   const int64_t len = rows.context_len;
-  const int64_t padded = (len + 15) / 16 * 16;
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
 
-  __m512 query[kGroup][kVecs];  // scaled, so the dot products are the scores
+  vreg query[kGroup][kVecs];  // scaled, so the dot products are the scores
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) {
-      query[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_head_stride + 16 * i),
-                                  _mm512_set1_ps(scale));
+      query[g][i] = fvec::loadu(q + g * q_head_stride + kLanes * i) * fvec(scale);
     }
   }
 
-  // Scores, 16 tokens at a time. Blocks are prefetched one block (or chunk) ahead.
+  // Scores, kLanes tokens at a time. Blocks are prefetched one block (or chunk) ahead.
   const int64_t block_size = rows.block_size;
-  const int64_t lead = std::max<int64_t>(block_size, 16);
+  const int64_t lead = std::max<int64_t>(block_size, kLanes);
   auto prefetch_blocks_in = [&](int64_t from, int64_t to) {
     for (int64_t b = (from + block_size - 1) / block_size * block_size; b < std::min(to, len);
          b += block_size) {
@@ -197,71 +178,71 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
     }
   };
   prefetch_blocks_in(0, lead);
-  const float* chunk_rows[16];
-  for (int64_t start = 0; start < len; start += 16) {
-    const int64_t count = std::min<int64_t>(16, len - start);
+  const float* chunk_rows[kLanes];
+  for (int64_t start = 0; start < len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, len - start);
     for (int64_t t = 0; t < count; ++t) chunk_rows[t] = rows.at(k_cache, start + t);
-    prefetch_blocks_in(start + lead, start + lead + 16);
+    prefetch_blocks_in(start + lead, start + lead + kLanes);
     for (int g = 0; g < kGroup; ++g) {
-      __m512 dots[16];
-      for (int64_t t = 0; t < 16; ++t) {
+      vreg dots[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) {
         if (t >= count) {
-          dots[t] = _mm512_setzero_ps();
+          dots[t] = fvec(0.0f);
           continue;
         }
-        __m512 sum = _mm512_mul_ps(query[g][0], _mm512_loadu_ps(chunk_rows[t]));
+        vreg sum = fvec(query[g][0]) * fvec::loadu(chunk_rows[t]);
         for (int i = 1; i < kVecs; ++i) {
-          sum = _mm512_fmadd_ps(query[g][i], _mm512_loadu_ps(chunk_rows[t] + 16 * i), sum);
+          sum = fmadd(query[g][i], fvec::loadu(chunk_rows[t] + kLanes * i), sum);
         }
         dots[t] = sum;
       }
-      _mm512_storeu_ps(scores + g * padded + start, transpose_sum16(dots));
+      transpose_sum(dots).store(scores + g * padded + start);
     }
   }
 
   // Softmax numerators in place; the padding past `len` becomes 0.
   float inv_sum[kGroup];
-  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16 == 0 ? 16 : len % 16)) - 1);
+  const fvec lowest(-std::numeric_limits<float>::infinity());
   for (int g = 0; g < kGroup; ++g) {
     float* s = scores + g * padded;
-    __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t + 16 <= len; t += 16) max_v = _mm512_max_ps(max_v, _mm512_loadu_ps(s + t));
-    if (len % 16 != 0) max_v = _mm512_mask_max_ps(max_v, tail, max_v, _mm512_loadu_ps(s + padded - 16));
-    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
-    __m512 sum_v = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      __m512 e = avx512::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_score));
-      if (t + 16 > len) e = _mm512_maskz_mov_ps(tail, e);
-      _mm512_storeu_ps(s + t, e);
-      sum_v = _mm512_add_ps(sum_v, e);
+    fvec max_v = lowest;
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, len - t);
+      max_v = at::vec::maximum(max_v, fvec::set(lowest, fvec::loadu(s + t), count));
     }
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum_v);
+    const fvec max_score(reduce_max(max_v));
+    fvec sum_v(0.0f);
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const fvec e = exp(fvec::loadu(s + t) - max_score);
+      const fvec kept = fvec::set(fvec(0.0f), e, std::min<int64_t>(kLanes, len - t));
+      kept.store(s + t);
+      sum_v = sum_v + kept;
+    }
+    inv_sum[g] = 1.0f / reduce_add(sum_v);
   }
 
   // Probability-weighted sum of V.
-  __m512 acc[kGroup][kVecs];
+  vreg acc[kGroup][kVecs];
   for (int g = 0; g < kGroup; ++g) {
-    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = fvec(0.0f);
   }
   rows.for_each(v_cache, [&](int64_t t, const float* __restrict value) {
-    __m512 v[kVecs];
-    for (int i = 0; i < kVecs; ++i) v[i] = _mm512_loadu_ps(value + 16 * i);
+    vreg v[kVecs];
+    for (int i = 0; i < kVecs; ++i) v[i] = fvec::loadu(value + kLanes * i);
     for (int g = 0; g < kGroup; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
-      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+      const vreg p = fvec(scores[g * padded + t]);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = fmadd(p, v[i], acc[g][i]);
     }
   });
   for (int g = 0; g < kGroup; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    for (int i = 0; i < kVecs; ++i) {
-      _mm512_storeu_ps(out + g * kDim + 16 * i, _mm512_mul_ps(acc[g][i], inv));
-    }
+    const fvec inv(inv_sum[g]);
+    for (int i = 0; i < kVecs; ++i) (fvec(acc[g][i]) * inv).store(out + g * kDim + kLanes * i);
   }
 }
 
-// Query heads per pass: their V accumulators must fit in registers with room to spare.
+// Query heads per pass: their V accumulators take at most half the registers (at least 1).
 template <int kDim>
-constexpr int max_group() { return 16 / (kDim / 16); }
+constexpr int max_group() { return std::max(1, kVectorRegisters / 2 / (kDim / kLanes)); }
 
 template <int kDim, int kGroup = max_group<kDim>()>
 void attend_heads(const float* q, int64_t q_head_stride, const float* k_cache,
@@ -285,8 +266,23 @@ void attend_heads(const float* q, int64_t q_head_stride, const float* k_cache,
   }
 }
 
-}  // namespace decode_avx512
-#endif  // __AVX512F__
+constexpr int kMaxGroup = max_group<64>();  // the most heads a pass holds, for the scores
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, const CachedRows&,
+                          float, float*, float*, int64_t);
+
+// The head sizes with a compiled path (each a multiple of every level's lanes), or null.
+AttendFn attend_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return &attend_heads<64>;
+    case 96: return &attend_heads<96>;
+    case 128: return &attend_heads<128>;
+    case 256: return &attend_heads<256>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace decode_vec
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -329,17 +325,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   // Tasks are handed out one at a time: sequences differ in length, and a static split
   // left one thread idle while the other finished the longer half.
   const int64_t num_tasks = num_seqs * tasks_per_seq;
-  const int64_t padded_context = (max_context_len + 15) / 16 * 16;
+  const int64_t padded_context = (max_context_len + kLanes - 1) / kLanes * kLanes;
   std::atomic<int64_t> next_task{0};
-#if defined(__AVX512F__)
-  if (q.scalar_type() == at::kFloat && (shape.head_dim == 64 || shape.head_dim == 128)) {
+  const decode_vec::AttendFn attend =
+      q.scalar_type() == at::kFloat ? decode_vec::attend_fn(shape.head_dim) : nullptr;
+  if (attend != nullptr) {
     const float* q_ptr = q.data_ptr<float>();
     const float* k_ptr = k_cache.data_ptr<float>();
     const float* v_ptr = v_cache.data_ptr<float>();
     float* out_ptr = out.data_ptr<float>();
     const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(decode_avx512::max_group<64>() * padded_context);
+      std::vector<float> scores(decode_vec::kMaxGroup * padded_context);
       for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
         const int64_t s = task / tasks_per_seq;
         const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
@@ -349,19 +346,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                 shape.head_dim};
           const float* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
           float* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
-          if (shape.head_dim == 64) {
-            decode_avx512::attend_heads<64>(q_head, shape.q_head_stride, k_ptr, v_ptr, rows,
-                                     static_cast<float>(scale), out_head, scores.data(), per_kv);
-          } else {
-            decode_avx512::attend_heads<128>(q_head, shape.q_head_stride, k_ptr, v_ptr, rows,
-                                      static_cast<float>(scale), out_head, scores.data(), per_kv);
-          }
+          attend(q_head, shape.q_head_stride, k_ptr, v_ptr, rows, static_cast<float>(scale),
+                 out_head, scores.data(), per_kv);
         }
       }
     });
     return out;
   }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
         const scalar_t* q_ptr = q.data_ptr<scalar_t>();

@@ -1,12 +1,15 @@
 // Causal self-attention of prompt chunks that have no cached context, for CPU: all of a
-// step's chunks in one call (float32, AVX-512, head_dim a multiple of 64).
+// step's chunks in one call (float32, head_dim a multiple of the key panel: 64 floats on
+// AVX-512, 32 on AVX2, 16 on NEON).
 //
 // torch's SDPA took one call per chunk per layer, and its flash kernel is slow at prompt
 // sizes (16 chunks of 64-192 tokens: 8-9.5 ms per layer). Here a task is (chunk, KV head,
-// 64 query rows), handed out longest first. It lays the chunk's keys out as panels of 64
-// transposed keys and its values as contiguous [keys x 64] panels, then for each query head of
-// the KV head runs two small GEMMs through the register-tile kernel (gemm_tile.h):
+// 64 query rows), handed out longest first. It lays the chunk's keys out as panels of
+// transposed keys and its values as contiguous [keys x panel] panels, then for each query
+// head of the KV head runs two small GEMMs through the register-tile kernel (gemm_tile.h):
 // S = Q K^T, a causal softmax per row (scaled, max-subtracted, normalized), and O = P V.
+
+#include "vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,14 +21,13 @@
 #include <vector>
 
 #include "gemm_tile.h"
-#include "vec_math.h"
 
 namespace duoserve {
 namespace {
 
-constexpr int64_t kPanel = 64;  // keys per K panel, query rows per task, columns per V panel
+constexpr int64_t kTaskRows = 64;  // query rows per task
+constexpr int64_t kPanel = kPanelWidth;  // keys per K panel, columns per V panel
 
-#if defined(__AVX512F__)
 struct Task {
   int64_t chunk;
   int64_t kv_head;
@@ -36,32 +38,28 @@ struct Task {
 // exp(scale (s - max)) / sum, and 0 for the keys after it, up to `width`.
 void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t width,
                     float scale) {
+  const fvec lowest(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < rows; ++i) {
     float* s = scores + i * width;
     const int64_t keys = first_row + i + 1;
-    __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < keys; j += 16) {
-      const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, keys - j)) - 1);
-      max_v = _mm512_mask_max_ps(max_v, lanes, max_v, _mm512_maskz_loadu_ps(lanes, s + j));
+    fvec max_v = lowest;
+    for (int64_t j = 0; j < keys; j += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, keys - j);
+      max_v = at::vec::maximum(max_v, fvec::set(lowest, fvec::loadu(s + j, count), count));
     }
-    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    __m512 sum_v = _mm512_setzero_ps();
-    for (int64_t j = 0; j < width; j += 16) {
-      const __mmask16 lanes =
-          static_cast<__mmask16>((1u << std::clamp<int64_t>(keys - j, 0, 16)) - 1);
-      const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), max_score), scale_v);
-      const __m512 e = _mm512_maskz_mov_ps(lanes, avx512::exp_ps(x));
-      _mm512_storeu_ps(s + j, e);
-      sum_v = _mm512_add_ps(sum_v, e);
+    const fvec max_score(reduce_max(max_v));
+    const fvec scale_v(scale);
+    fvec sum_v(0.0f);
+    for (int64_t j = 0; j < width; j += kLanes) {
+      const fvec e = exp((fvec::loadu(s + j) - max_score) * scale_v);
+      const fvec kept = fvec::set(fvec(0.0f), e, std::clamp<int64_t>(keys - j, 0, kLanes));
+      kept.store(s + j);
+      sum_v = sum_v + kept;
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum_v));
-    for (int64_t j = 0; j < width; j += 16) {
-      _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
-    }
+    const fvec inv(1.0f / reduce_add(sum_v));
+    for (int64_t j = 0; j < width; j += kLanes) (fvec::loadu(s + j) * inv).store(s + j);
   }
 }
-#endif  // __AVX512F__
 
 // out, q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (strided views, such
 // as the fused qkv projection's); chunk i is tokens [starts[i], starts[i] + lens[i]).
@@ -80,7 +78,8 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == dim && k.size(0) == q.size(0) &&
                   heads % kv_heads == 0,
               "prefill_attention: k and v must match q's tokens and head_dim");
-  TORCH_CHECK(dim % kPanel == 0, "prefill_attention: head_dim must be a multiple of 64");
+  TORCH_CHECK(dim % kPanel == 0, "prefill_attention: head_dim must be a multiple of ", kPanel,
+              " in this build");
   TORCH_CHECK(starts.scalar_type() == at::kInt && lens.scalar_type() == at::kInt &&
                   starts.is_contiguous() && lens.is_contiguous() &&
                   starts.numel() == lens.numel(),
@@ -93,17 +92,16 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                 "prefill_attention: chunk ", c, " is out of range");
     max_len = std::max<int64_t>(max_len, len_ptr[c]);
   }
-#if defined(__AVX512F__)
   std::vector<Task> tasks;
   for (int64_t c = 0; c < starts.numel(); ++c) {
     for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t row = 0; row < len_ptr[c]; row += kPanel) tasks.push_back({c, h, row});
+      for (int64_t row = 0; row < len_ptr[c]; row += kTaskRows) tasks.push_back({c, h, row});
     }
   }
   // Longest first (a task's cost grows with its last row), so the last ones are short.
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    return std::min<int64_t>(a.first_row + kPanel, len_ptr[a.chunk]) >
-           std::min<int64_t>(b.first_row + kPanel, len_ptr[b.chunk]);
+    return std::min<int64_t>(a.first_row + kTaskRows, len_ptr[a.chunk]) >
+           std::min<int64_t>(b.first_row + kTaskRows, len_ptr[b.chunk]);
   });
   const int64_t group = heads / kv_heads;
   const int64_t max_keys = (max_len + kPanel - 1) / kPanel * kPanel;
@@ -114,14 +112,14 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const float* v_ptr = v.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> keys_t(max_keys * dim);      // [key panel][dim][64 keys]
-    std::vector<float> values(dim_panels * max_keys * kPanel);  // [dim panel][key][64]
-    std::vector<float> scores(kPanel * max_keys);   // [query row][key]
+    std::vector<float> keys_t(max_keys * dim);  // [key panel][dim][kPanel keys]
+    std::vector<float> values(dim_panels * max_keys * kPanel);  // [dim panel][key][kPanel]
+    std::vector<float> scores(kTaskRows * max_keys);  // [query row][key]
     for (int64_t index = next_task++; index < static_cast<int64_t>(tasks.size());
          index = next_task++) {
       const Task& task = tasks[index];
       const int64_t start = start_ptr[task.chunk];
-      const int64_t rows = std::min<int64_t>(kPanel, len_ptr[task.chunk] - task.first_row);
+      const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
       const int64_t keys = task.first_row + rows;  // causal: no query here sees further
       const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
       for (int64_t key = 0; key < width; ++key) {
@@ -137,23 +135,20 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
         const int64_t head = task.kv_head * group + g;
         const float* q_rows = q_ptr + (start + task.first_row) * q.stride(0) + head * q.stride(1);
         for (int64_t panel = 0; panel < width / kPanel; ++panel) {
-          avx512::panel_rows<4>(q_rows, q.stride(0), rows, keys_t.data() + panel * dim * kPanel,
+          panel_rows<kPanelVectors>(q_rows, q.stride(0), rows, keys_t.data() + panel * dim * kPanel,
                                 dim, nullptr, scores.data() + panel * kPanel, width, kPanel,
                                 nullptr);
         }
         causal_softmax(scores.data(), rows, task.first_row, width, static_cast<float>(scale));
         float* out_rows = out_ptr + (start + task.first_row) * out.stride(0) + head * out.stride(1);
         for (int64_t panel = 0; panel < dim_panels; ++panel) {
-          avx512::panel_rows<4>(scores.data(), width, rows, values.data() + panel * width * kPanel,
+          panel_rows<kPanelVectors>(scores.data(), width, rows, values.data() + panel * width * kPanel,
                                 width, nullptr, out_rows + panel * kPanel, out.stride(0), kPanel,
                                 nullptr);
         }
       }
     }
   });
-#else
-  TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 kernel");
-#endif
 }
 
 }  // namespace

@@ -1,0 +1,124 @@
+"""The CPU kernels at every vector level, not only the one this machine loads: one source
+compiles to AVX-512, AVX2, plain C++ and NEON (engine_svc/kernels/csrc/vec.h), and each
+level this CPU runs passes the kernel tests and the greedy exactness checks in a process
+of its own (a process loads one build of the ops). A level this CPU cannot run is built
+without being loaded; aarch64's NEON code is compiled with a cross compiler. So CI on an
+AVX-512 machine covers the AVX2 code, and an AVX2 machine the AVX-512 code's compile."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from engine_svc.kernels import build, loader
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = ["tests/engine_svc/test_cpu_kernels.py", "tests/engine_svc/test_packed_linear.py"]
+# Greedy outputs against Hugging Face with the level's kernels: the tiny model (packed
+# projections, no vectorized attention at head_dim 16) and the default model (all paths).
+EXACTNESS_TESTS = [
+    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[all_at_once]",
+    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[chunked_prefill]",
+    "tests/engine_svc/test_greedy_matches_hf.py::test_default_model_greedy_matches_hf[all_at_once]",
+]
+# x86-64 levels, best first, with the vector code each compiles (vec.h).
+X86_LEVELS = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "default"}
+CROSS_COMPILER = "aarch64-linux-gnu-g++"
+
+pytestmark = pytest.mark.skipif(
+    loader.platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels"
+)
+
+
+def _native_capability() -> str:
+    built = loader.loaded_build()
+    assert built is not None, "the CPU kernels did not build: see the warning logged"
+    return built.capability
+
+
+def _level_env(level: str) -> dict[str, str]:
+    return {**os.environ, loader.ARCH_ENV: level, "PYTHONPATH": str(ROOT)}
+
+
+def _run_here(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("level", list(X86_LEVELS))
+def test_each_level_this_cpu_runs_passes_the_kernel_and_exactness_tests(level: str) -> None:
+    capability = X86_LEVELS[level]
+    if capability == _native_capability():
+        pytest.skip(f"{level} compiles {capability}, the native build's level: tested already")
+    missing = sorted(loader._ARCH_REQUIRES.get(level, set()) - loader._cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU cannot run {level} (lacks {', '.join(missing)}): built only")
+    env = _level_env(level)
+    probe = _run_here(
+        [sys.executable, "-c", "from engine_svc.kernels.loader import loaded_build as b; "
+         "print(b().capability)"],
+        env,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert probe.stdout.split()[-1] == capability
+    # The plain-C++ level serves no fast path in the engine (loader.FAST_CAPABILITIES): its
+    # kernels are checked, the models' outputs with them are not.
+    tests = [*KERNEL_TESTS, *(EXACTNESS_TESTS if capability in loader.FAST_CAPABILITIES else [])]
+    done = _run_here([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env)
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert " failed" not in done.stdout and " passed" in done.stdout
+
+
+@pytest.mark.parametrize("level", list(X86_LEVELS))
+def test_a_level_this_cpu_cannot_run_still_builds(level: str, tmp_path: Path) -> None:
+    missing = loader._ARCH_REQUIRES.get(level, set()) - loader._cpu_flags()
+    if not missing:
+        pytest.skip(f"this CPU runs {level}: its build is loaded and tested")
+    library = tmp_path / "kernels.so"
+    build.build_library(loader.SOURCES, library, level)
+    assert library.stat().st_size > 0
+
+
+# Compiled with the sources: fails unless vec.h took its NEON branch, not the generic one.
+NEON_PROBE = """
+#include "vec.h"
+#include <string_view>
+static_assert(std::string_view(DUOSERVE_CAPABILITY) == "neon");
+static_assert(duoserve::kLanes == 4 && duoserve::kVectorRegisters == 32);
+"""
+
+
+def test_the_neon_code_compiles_for_aarch64(tmp_path: Path) -> None:
+    """Compile-only: no aarch64 machine or torch libraries here to link and run it."""
+    compiler = shutil.which(CROSS_COMPILER)
+    assert compiler, f"{CROSS_COMPILER} is missing: make test installs it (make cross-compiler)"
+    probe = tmp_path / "neon_probe.cpp"
+    probe.write_text(NEON_PROBE)
+    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    abi = int(torch.compiled_with_cxx11_abi())
+    flags = [*includes, f"-I{loader.SOURCES[0].parent}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    flags += ["-std=c++20", "-O2", "-fPIC", "-march=armv8.2-a", "-fopenmp"]
+    processes = [
+        (
+            source,
+            subprocess.Popen(
+                [compiler, *flags, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
+        for source in [probe, *loader.SOURCES]
+    ]
+    failures = []
+    for source, process in processes:
+        output, _ = process.communicate(timeout=900)
+        if process.returncode != 0:
+            failures.append(f"{source.name}: {output[-2000:]}")
+    assert not failures, "\n".join(failures)
