@@ -1,7 +1,7 @@
 """Offline benchmark: our engine against Hugging Face `generate` on the same weights and
 prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
 
-    python -m engine_svc.bench --model DIR [--skip-hf] [--rounds N]
+    python -m engine_svc.bench --model DIR [--skip-hf] [--rounds N] [--isa avx2]
 
 Each system runs in a process of its own (bench_worker.py), so neither inherits the other's
 threads, allocator settings or warm memory: our engine tunes glibc malloc for its process,
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine_svc import bench_ceiling as ceiling
+from engine_svc import bench_machine as machine
 from engine_svc.bench_worker import Worker, serve
 
 SINGLE_PROMPT_LEN = 128
@@ -39,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Runs prompts (token ids) to a fixed number of new tokens; returns the new tokens.
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
-Summary = dict[str, float | int | None]  # the figures, as printed in the JSON line
+Summary = dict[str, float | int | str | None]  # the figures, as printed in the JSON line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +282,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-structured", action="store_true", help="skip the structured-output step rate"
     )
+    parser.add_argument(
+        "--isa",
+        choices=sorted(machine.ISA_CAPS),
+        help="hold torch, MKL, oneDNN and our kernels to this vector level (on a CPU that has "
+        "more): what a machine with only it runs",
+    )
     # Internal: serve one system as a bench worker (ours, hf), or measure the structured
     # output rate and write it to --result-file as JSON.
     parser.add_argument("--system", choices=["ours", "hf", "structured"], help=argparse.SUPPRESS)
@@ -303,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.system is not None:
         _run_here(args)
         return
+    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", *args.argv])
     structured = {} if args.skip_structured else _in_subprocess(args, "structured")
     workers: dict[str, Worker] = {}
     try:  # started one after the other, so that each start-up is timed alone
@@ -328,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         bytes_per_param,
     )
     summary.update(structured)
+    summary |= machine.identity()
+    print(machine.describe())
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
 

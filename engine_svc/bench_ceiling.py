@@ -108,7 +108,7 @@ def utilization_figures(
     }
 
 
-def describe(figures: Mapping[str, float | int | None]) -> str:
+def describe(figures: Mapping[str, float | int | str | None]) -> str:
     return (
         f"ceilings: GEMM {figures['gemm_gflops']:.1f} GFLOP/s, "
         f"copy {figures['copy_gb_s']:.1f} GB/s (read+write)\n"

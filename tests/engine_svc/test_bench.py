@@ -1,7 +1,7 @@
 """`make bench` end to end on the tiny model: each system a worker process of its own, the two
 alternated round after round, the figures and the exactness count in one JSON line. Figures
 are not checked for speed (benchmarks measure speed; tests check that they run and agree
-with HF)."""
+with HF). On a CPU with AVX2 it runs held to AVX2 (`--isa avx2`), as on an AVX2-only machine."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from engine_svc import bench_machine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +21,9 @@ def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) 
         "--num-prompts", "3", "--output-len", "4", "--min-len", "4", "--max-len", "9",
         "--skip-structured", "--rounds", "2",
     ]  # fmt: skip
+    capped = "avx2" in bench_machine.cpu_flags()
+    if capped:
+        command += ["--isa", "avx2"]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -29,3 +34,8 @@ def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) 
     low, high = summary["throughput_ratio_min"], summary["throughput_ratio_max"]
     assert low <= summary["throughput_ratio"] <= high
     assert "throughput ours/HF" in done.stdout
+    assert summary["cpu_model"] == bench_machine.cpu_model()
+    assert f"machine: {bench_machine.cpu_model()}" in done.stdout
+    if capped:  # every system ran held to AVX2: torch, and our kernels' build
+        assert "(capped: avx2)" in done.stdout
+        assert summary["kernel_level"] == "x86-64-v3 (avx2)"
