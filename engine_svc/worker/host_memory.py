@@ -1,11 +1,15 @@
-"""Host memory for a CPU engine: the KV cache faulted in at start-up rather than by the first
-steps, and glibc malloc told to keep the big activation buffers it frees, in one arena.
+"""Host memory for a CPU engine: the KV cache faulted in by a background thread from start-up
+on rather than by the steps, and glibc malloc told to keep the big activation buffers it
+frees, in one arena.
 
 An anonymous mmap comes as zero pages the kernel maps on first write, one fault per 4 KiB:
-left lazy, the first requests pay for it (a 2,048-token prefill spent 4 ms per layer in page
-faults writing its K/V). MADV_POPULATE_WRITE (Linux 5.14) maps it all at once, in the kernel,
-at about 0.6 s per GiB here; torch.zeros would write every byte from Python's thread instead.
-Where the advice is not supported, the memory stays lazy and correct.
+left lazy, the requests pay for it (a 2,048-token prefill spent 4 ms per layer in page faults
+writing its K/V). MADV_POPULATE_WRITE (Linux 5.14) maps pages in the kernel, at about 0.6 s
+per GiB here; torch.zeros would write every byte from Python's thread instead. It runs on a
+thread of its own, lowest blocks first (the block pool hands those out first), so the engine
+serves as soon as the cache is mapped instead of after 2 s or more: a step that meets a page
+not yet mapped faults it in itself. Where the advice is not supported, the memory stays lazy
+and correct.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import functools
 import logging
 import mmap
 import sys
+import threading
+import time
+from collections.abc import Sequence
 
 import torch
 
@@ -27,21 +34,63 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's upper limit for it on 64-bit
 TRIM_THRESHOLD_BYTES = 1 << 30
+POPULATE_CHUNK_BYTES = 4 << 20  # per madvise call: each tensor advances this far per round
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor on an anonymous mmap, its pages not yet mapped (see `populate`)."""
     element = torch.empty((), dtype=dtype).element_size()
     num_elements = 1
     for size in shape:
         num_elements *= size
     length = max(num_elements * element, mmap.PAGESIZE)
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(MADV_POPULATE_WRITE)
-    except OSError as error:  # an older kernel: pages come on first write instead
-        logger.debug("KV cache pages stay lazy: %s", error)
     # frombuffer keeps `region` alive as long as the tensor and its views live.
     return torch.frombuffer(region, dtype=dtype, count=num_elements).view(shape)
+
+
+def populate(tensors: Sequence[torch.Tensor]) -> bool:
+    """Map the pages of mmap-backed tensors (zeroed_host_tensor's), the first
+    POPULATE_CHUNK_BYTES of each, then the next, and so on: the low block ids of every layer
+    come first. The GIL is released during each call (ctypes). False if the kernel does not
+    take the advice (the pages then come on first write)."""
+    madvise = _libc().madvise
+    longest = max((t.untyped_storage().nbytes() for t in tensors), default=0)
+    for offset in range(0, longest, POPULATE_CHUNK_BYTES):
+        for tensor in tensors:
+            size = tensor.untyped_storage().nbytes()
+            if offset < size:
+                length = min(POPULATE_CHUNK_BYTES, size - offset)
+                if madvise(tensor.data_ptr() + offset, length, MADV_POPULATE_WRITE) != 0:
+                    logger.debug("KV cache pages stay lazy: madvise errno %d", ctypes.get_errno())
+                    return False
+    return True
+
+
+def populate_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
+    """`populate` on a daemon thread, which logs how long it took."""
+    tensors = list(tensors)
+
+    def run() -> None:
+        began = time.perf_counter()
+        if populate(tensors):
+            total = sum(t.untyped_storage().nbytes() for t in tensors)
+            logger.info(
+                "KV cache faulted in: %.2f GiB in %.1f s",
+                total / (1 << 30),
+                time.perf_counter() - began,
+            )
+
+    thread = threading.Thread(target=run, name="kv-cache-populate", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 @functools.cache
@@ -65,8 +114,7 @@ def keep_freed_activations() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl): leave the allocator alone
         return False
     done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1

@@ -19,7 +19,7 @@ from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
-from engine_svc.worker.host_memory import zeroed_host_tensor
+from engine_svc.worker.host_memory import populate_in_background, zeroed_host_tensor
 from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
 from engine_svc.worker.sampler import Sampler
 
@@ -85,11 +85,15 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return self.spec.kv_bytes_per_token * self.block_size * element
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, warm: bool = True) -> None:
+        """The KV cache of every layer; on CPU its pages are faulted in by a background
+        thread (`warm`), so the engine can serve before they all are."""
         shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (self._zeros(shape), self._zeros(shape)) for _ in range(self.spec.num_layers)
         ]
+        if warm and self.device.type == "cpu":
+            populate_in_background([t for pair in self.kv_caches for t in pair])
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed KV tensor. Zeros matter: masked-out slots still meet the attention
@@ -169,7 +173,7 @@ class ModelRunner:
 
         num_seqs = max(1, min(num_seqs, num_tokens))
         saved = self.kv_caches
-        self.allocate_kv_cache(-(-num_tokens // self.block_size) + 1)
+        self.allocate_kv_cache(-(-num_tokens // self.block_size) + 1, warm=False)
         # The forward's peak does not depend on how the tokens split into prompts, but one
         # SDPA call per tiny prompt would cost seconds: use chunks of up to 512 tokens.
         num_chunks = -(-num_tokens // PROFILE_CHUNK_TOKENS)

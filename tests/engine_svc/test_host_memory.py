@@ -1,14 +1,33 @@
-"""Host memory for a CPU engine: the KV cache's zeroed, pre-faulted tensors, and glibc malloc
-keeping freed activation blocks."""
+"""Host memory for a CPU engine: the KV cache's zeroed tensors, their pages faulted in by a
+background thread, lowest offsets first, and glibc malloc keeping freed activation blocks."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 
 import pytest
 import torch
 
-from engine_svc.worker.host_memory import keep_freed_activations, zeroed_host_tensor
+from engine_svc.worker import host_memory
+from engine_svc.worker.host_memory import (
+    keep_freed_activations,
+    populate,
+    populate_in_background,
+    zeroed_host_tensor,
+)
+
+
+def _resident_pages(tensor: torch.Tensor) -> int:
+    """Pages of the tensor's storage mapped in memory now (mincore)."""
+    size = tensor.untyped_storage().nbytes()
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(tensor.data_ptr(), size, vector) == 0
+    return sum(byte & 1 for byte in vector)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -34,3 +53,33 @@ def test_malloc_keeps_freed_activations_on_glibc() -> None:
     # Allocations of activation size still work and are fresh and correct afterwards.
     x = torch.ones(2048, 3072)
     assert x.sum().item() == 2048 * 3072
+
+
+def test_pages_are_mapped_when_populated_lowest_offsets_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(host_memory, "POPULATE_CHUNK_BYTES", 64 * mmap.PAGESIZE)
+    tensors = [zeroed_host_tensor((256, mmap.PAGESIZE // 4), torch.float32) for _ in range(3)]
+    assert [_resident_pages(t) for t in tensors] == [0, 0, 0]  # lazy until populated
+    calls: list[tuple[int, int]] = []
+    libc_madvise = host_memory._libc().madvise
+
+    def recording(address: int, length: int, advice: int) -> int:
+        calls.append((address, length))
+        return int(libc_madvise(address, length, advice))
+
+    monkeypatch.setattr(host_memory, "_libc", lambda: type("L", (), {"madvise": recording}))
+    assert populate(tensors)
+    assert [_resident_pages(t) for t in tensors] == [256, 256, 256]
+    # Round by round: the first 64 pages of every tensor, then the next 64, ...
+    firsts = [t.data_ptr() for t in tensors]
+    assert [address for address, _ in calls[:3]] == firsts
+    assert calls[3][0] == firsts[0] + 64 * mmap.PAGESIZE and len(calls) == 12
+    assert all(not t.any() for t in tensors)  # still zeros
+
+
+def test_populating_in_the_background_maps_every_page() -> None:
+    tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32) for _ in range(2)]
+    populate_in_background(tensors).join(timeout=60)
+    assert all(_resident_pages(t) == -(-t.untyped_storage().nbytes() // mmap.PAGESIZE)
+               for t in tensors)  # fmt: skip
