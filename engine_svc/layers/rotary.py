@@ -11,7 +11,8 @@ import torch
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -38,12 +39,16 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torc
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos and sin tables for every position, computed on the CPU (also inside a meta-device
+    context, where torch's reference ops would import torch._dynamo: over a second of
+    start-up); `.to(device)` moves them."""
+
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_cache: torch.Tensor

@@ -36,10 +36,7 @@ def load_model(
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:5])}")
     model.load_state_dict(state, strict=False, assign=True)
-    # Non-persistent buffers (RoPE tables) were built on the meta device: rebuild them.
-    model.rotary = type(model.rotary)(
-        spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
-    ).to(device)
+    model.rotary.to(device)  # its tables were computed on the CPU, meta context or not
     model.finish_loading()
     model.eval().requires_grad_(False)
     num_params = sum(t.numel() for t in state.values())
