@@ -100,6 +100,7 @@ class KernelBuild:
     lanes: int  # float32 lanes of a vector
     # Vectors per packed weight block, the register tile's fastest first (capability.cpp).
     block_vectors: tuple[int, ...]
+    prefill_panel: int  # the prefill kernel's K/V panel width: head_dim must be a multiple
 
     @property
     def fast(self) -> bool:
@@ -118,6 +119,7 @@ def loaded_build() -> KernelBuild | None:
         str(ops.cpu_capability()),
         int(ops.vector_lanes()),
         tuple(int(v) for v in ops.packed_block_vectors()),
+        int(ops.prefill_attention_panel()),
     )
 
 
@@ -180,10 +182,10 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `prefill_attention_` serves this model: float32, head_dim a multiple of the
-    kernel's key panel (4 vectors: 64 floats on AVX-512, 32 on AVX2), on a level where it was
-    measured faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
+    kernel's K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where it was measured
+    faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
     build = loaded_build() if dtype == torch.float32 else None
-    return build is not None and build.fast and head_dim % (4 * build.lanes) == 0
+    return build is not None and build.fast and head_dim % build.prefill_panel == 0
 
 
 def packed_block_size(

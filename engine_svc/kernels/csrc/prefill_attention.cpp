@@ -1,6 +1,6 @@
 // Causal self-attention of prompt chunks that have no cached context, for CPU: all of a
 // step's chunks in one call (float32, head_dim a multiple of the key panel: 64 floats on
-// AVX-512, 32 on AVX2, 16 on NEON).
+// AVX-512, 16 on AVX2 and NEON).
 //
 // torch's SDPA took one call per chunk per layer, and its flash kernel is slow at prompt
 // sizes (16 chunks of 64-192 tokens: 8-9.5 ms per layer). Here a task is (chunk, KV head,
@@ -26,7 +26,10 @@ namespace duoserve {
 namespace {
 
 constexpr int64_t kTaskRows = 64;  // query rows per task
-constexpr int64_t kPanel = kPanelWidth;  // keys per K panel, columns per V panel
+// Vectors per K and V panel: 4 with 32 registers (a 6 x 4 tile); 2 with AVX2's 16, whose
+// 2 x 4 tile ran slower than its 6 x 2 (a panel of 3 would not divide head_dim 64).
+constexpr int kAttentionVectors = kVectorRegisters >= 32 ? 4 : 2;
+constexpr int64_t kPanel = kAttentionVectors * kLanes;  // keys per K panel, columns per V panel
 
 struct Task {
   int64_t chunk;
@@ -135,25 +138,28 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
         const int64_t head = task.kv_head * group + g;
         const float* q_rows = q_ptr + (start + task.first_row) * q.stride(0) + head * q.stride(1);
         for (int64_t panel = 0; panel < width / kPanel; ++panel) {
-          panel_rows<kPanelVectors>(q_rows, q.stride(0), rows, keys_t.data() + panel * dim * kPanel,
-                                dim, nullptr, scores.data() + panel * kPanel, width, kPanel,
-                                nullptr);
+          panel_rows<kAttentionVectors>(q_rows, q.stride(0), rows,
+                                        keys_t.data() + panel * dim * kPanel, dim, nullptr,
+                                        scores.data() + panel * kPanel, width, kPanel, nullptr);
         }
         causal_softmax(scores.data(), rows, task.first_row, width, static_cast<float>(scale));
         float* out_rows = out_ptr + (start + task.first_row) * out.stride(0) + head * out.stride(1);
         for (int64_t panel = 0; panel < dim_panels; ++panel) {
-          panel_rows<kPanelVectors>(scores.data(), width, rows, values.data() + panel * width * kPanel,
-                                width, nullptr, out_rows + panel * kPanel, out.stride(0), kPanel,
-                                nullptr);
+          panel_rows<kAttentionVectors>(scores.data(), width, rows,
+                                        values.data() + panel * width * kPanel, width, nullptr,
+                                        out_rows + panel * kPanel, out.stride(0), kPanel, nullptr);
         }
       }
     }
   });
 }
 
+int64_t prefill_attention_panel() { return kPanel; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(duoserve, m) {
+  m.def("prefill_attention_panel() -> int", &prefill_attention_panel);
   m.def(
       "prefill_attention_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, "
       "Tensor lens, float scale) -> ()");

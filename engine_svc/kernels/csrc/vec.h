@@ -61,9 +61,8 @@ constexpr int kVectorRegisters = 16;
 // for the panel's vectors and the broadcast value (24 of 32, 12 of 16).
 constexpr int kTileAccumulators = kVectorRegisters * 3 / 4;
 
-// Columns of a packed weight block and of the attention kernels' key panels: 4 vectors.
+// The widest panel the register tile takes: 4 vectors of columns.
 constexpr int kPanelVectors = 4;
-constexpr int kPanelWidth = kPanelVectors * kLanes;
 
 // Sum and maximum of the lanes (ATen's NEON vector lacks these members, and its generic
 // vector's do not compile).
