@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
+import os
 
 import pytest
 import torch
@@ -78,8 +79,19 @@ def test_pages_are_mapped_when_populated_lowest_offsets_first(
     assert all(not t.any() for t in tensors)  # still zeros
 
 
-def test_populating_in_the_background_maps_every_page() -> None:
+def test_populating_in_the_background_maps_every_page_at_idle_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policies: list[int] = []
+    populate_now = host_memory.populate
+
+    def recording(tensors: list[torch.Tensor]) -> bool:
+        policies.append(os.sched_getscheduler(0))  # this thread's
+        return populate_now(tensors)
+
+    monkeypatch.setattr(host_memory, "populate", recording)
     tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32) for _ in range(2)]
     populate_in_background(tensors).join(timeout=60)
+    assert policies == [os.SCHED_IDLE]  # it runs only on a core the engine leaves idle
     assert all(_resident_pages(t) == -(-t.untyped_storage().nbytes() // mmap.PAGESIZE)
                for t in tensors)  # fmt: skip
