@@ -53,9 +53,11 @@ def test_a_shared_block_returns_to_the_free_list_only_when_its_last_reference_go
     assert pool.num_free_blocks == 2
 
 
-def test_the_least_recently_freed_block_is_handed_out_first() -> None:
+def test_the_least_recently_freed_cached_block_is_handed_out_first() -> None:
     pool = BlockPool(3, enable_caching=True)
     a, b, c = pool.get_new_blocks(3)
+    for i, block in enumerate((a, b, c)):
+        pool.cache_block(block, block_hash(i))
 
     pool.free_blocks([b])
     pool.free_blocks([c])
@@ -64,13 +66,28 @@ def test_the_least_recently_freed_block_is_handed_out_first() -> None:
     assert [blk.block_id for blk in pool.get_new_blocks(3)] == [b.block_id, c.block_id, a.block_id]
 
 
-def test_blocks_freed_together_are_evicted_in_the_order_given() -> None:
+def test_cached_blocks_freed_together_are_evicted_in_the_order_given() -> None:
     pool = BlockPool(3, enable_caching=True)
     blocks = pool.get_new_blocks(3)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, block_hash(i))
 
     pool.free_blocks(blocks[::-1])  # what the KV manager does: tail first
 
     assert pool.get_new_blocks(1)[0] is blocks[2]
+
+
+def test_a_freed_block_holding_nothing_is_reused_before_any_cached_block() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    cached, empty, other = pool.get_new_blocks(3)
+    pool.cache_block(cached, block_hash(1))
+
+    pool.free_blocks([cached])
+    pool.free_blocks([empty])  # no hash: to the head, ahead of the never-used block 3 too
+    pool.free_blocks([other])
+
+    assert pool.get_new_blocks(4) == [other, empty, pool.blocks[3], cached]
+    assert pool.get_cached_block(block_hash(1)) is None  # evicted last, when it had to be
 
 
 def test_a_freed_block_keeps_its_hash_and_a_prefix_hit_revives_it() -> None:
@@ -146,3 +163,4 @@ def test_reset_prefix_cache_is_refused_while_a_block_is_in_use() -> None:
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(block_hash(5)) is None
     assert cached.block_hash is None
+    assert pool.get_new_blocks(2) == pool.blocks  # back in block-id order

@@ -3,7 +3,12 @@
 A block whose reference count drops to zero goes to the tail of the free list but keeps
 its hash: until it is handed out again it can still be found by a later request with the
 same prefix (a prefix-cache hit revives it). New blocks come from the head of the free
-list, so the least recently freed blocks are evicted first.
+list, so the least recently freed blocks are evicted first. A freed block that holds no
+cached content (a partial block, or caching off) goes to the head instead, as SGLang keeps
+free memory apart from its cache: it is reused before any cached block is evicted, and the
+blocks in use stay few and warm rather than cycling through the whole cache, whose pages a
+CPU engine otherwise faults in one by one. A reset of the prefix cache puts every block
+back in block-id order.
 """
 
 from __future__ import annotations
@@ -62,11 +67,14 @@ class BlockPool:
             block.ref_count += 1
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference on each block, in the given order (callers pass tail first)."""
+        """Drop one reference on each block, in the given order (callers pass tail first):
+        cached blocks to the tail of the free list, blocks holding nothing to its head."""
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Record that `block` is full and holds the tokens that `block_hash` names."""
@@ -87,6 +95,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
         return True
 
     def _evict(self, block: KVBlock) -> None:
