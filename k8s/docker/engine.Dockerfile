@@ -39,19 +39,19 @@ RUN mkdir gen \
     && find protos -name '*.proto' -exec /opt/protoc/bin/python -m grpc_tools.protoc -I protos \
         --python_out=gen --grpc_python_out=gen {} +
 # The C++ CPU kernels (engine_svc/kernels), built here so that the runtime image needs no
-# compiler: a library for x86-64-v4 (AVX-512: packed projections, prefill attention, the fast
-# decode path) and one for x86-64-v3 (AVX2); each node loads the best its CPU runs. A node
-# without AVX2, or an image of another architecture (built without them), runs plain torch.
+# compiler, from one source for each x86-64 level: x86-64-v4 (AVX-512) and x86-64-v3 (AVX2),
+# both with every fast path, and plain x86-64; each node loads the best its CPU runs. An image
+# of another architecture (built without them) runs plain torch.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY engine_svc engine_svc
 COPY shared shared
-ENV DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
+ENV DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3,x86-64 DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
 RUN mkdir -p /opt/duoserve-kernels \
     && if [ "$(uname -m)" = x86_64 ]; then \
-        PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels; \
+        PATH=/opt/venv/bin:${PATH} PYTHONPATH=/src python -m engine_svc.kernels --build-only; \
     fi
 
 FROM ${BASE_IMAGE}
@@ -77,7 +77,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
-    DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3 \
+    DUOSERVE_CPU_ARCH=x86-64-v4,x86-64-v3,x86-64 \
     DUOSERVE_KERNEL_CACHE=/opt/duoserve-kernels
 WORKDIR /app
 USER 10001:10001
