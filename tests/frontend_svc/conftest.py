@@ -17,5 +17,5 @@ def tokenizer(default_model_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def byte_token_ids(tokenizer: Tokenizer) -> list[int]:
     """Tokens that are parts of multi-byte UTF-8 characters (they decode alone to U+FFFD)."""
-    vocab_size = len(tokenizer.hf_tokenizer)
+    vocab_size = tokenizer.vocab_size
     return [i for i in range(vocab_size) if "\ufffd" in tokenizer.decode([i], False)]
