@@ -1,4 +1,5 @@
-"""`make run` until the services exist: generate for a few prompts in process, with tokens/s."""
+"""`make demo`: generate text for a few prompts with the offline API, in process, and report
+tokens/s (the services are `make run`)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from engine_svc.client.inproc import InprocClient
 from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.structured.grammars import check_constraint
 from shared.errors import InvalidRequestError
 from shared.model_store import ensure_default_model
 
@@ -84,7 +83,6 @@ class LLM:
             text: str | None = prompt
         else:
             token_ids, text = list(prompt), None
-        check_constraint(params)
         request_id = str(next(self._ids))
         self.client.add_request(
             EngineCoreRequest(

@@ -14,10 +14,12 @@ from engine_svc.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):
-    STOP = 0  # EOS or a stop token id
-    LENGTH = 1  # max_tokens or the model length
-    ABORT = 2  # cancelled by the client or by shutdown
-    ERROR = 3  # the request failed inside the engine
+    """Numbered as engine.v1.FinishReason (0 there is "not finished"), so conversion is a cast."""
+
+    STOP = 1  # EOS or a stop token id
+    LENGTH = 2  # max_tokens or the model length
+    ABORT = 3  # cancelled by the client or by shutdown
+    ERROR = 4  # the request failed inside the engine
 
     def __str__(self) -> str:
         return self.name.lower()

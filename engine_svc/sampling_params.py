@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated once at the edge of the engine."""
+"""Per-request sampling parameters. `validate()` runs once, where a request enters the engine
+(engine_svc/admission.py); constructing or decoding them checks nothing."""
 
 from __future__ import annotations
 
@@ -31,9 +32,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
 
-    def __post_init__(self) -> None:
-        self.validate()
-
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -60,6 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
     def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field out of range."""
         _check(self.temperature >= 0.0, "temperature", "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive count")

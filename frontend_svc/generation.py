@@ -18,7 +18,6 @@ from frontend_svc.messages import (
     EngineOutput,
     EngineRequest,
     GenerationUpdate,
-    SamplingOptions,
     Usage,
 )
 from shared.errors import EngineDeadError
@@ -28,27 +27,20 @@ from shared.errors import EngineDeadError
 _QueueItem = tuple[int, EngineOutput | Exception | None]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PreparedRequest:
-    """A validated request with its prompt tokenized."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingOptions
-    priority: int = 0
-
-    def engine_request(self, index: int, suffix: str) -> EngineRequest:
-        # Clients choose request ids and may reuse them; the suffix keeps engine ids unique.
-        return EngineRequest(
-            request_id=f"{self.request_id}-{index}-{suffix}",
-            prompt_token_ids=self.prompt_token_ids,
-            sampling=self.sampling.for_choice(index),
-            priority=self.priority,
-        )
+def choice_request(request: EngineRequest, index: int, suffix: str) -> EngineRequest:
+    """The engine call of choice `index`. Clients choose request ids and may reuse them: the
+    suffix keeps engine ids unique."""
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-{index}-{suffix}",
+        sampling=request.sampling.for_choice(index),
+    )
 
 
 class Generation:
-    def __init__(self, request: PreparedRequest, router: EngineRouter, decoder: Decoder) -> None:
+    """`request`: the client's request, validated and tokenized (its own id, all n choices)."""
+
+    def __init__(self, request: EngineRequest, router: EngineRouter, decoder: Decoder) -> None:
         self.request = request
         self.router = router
         self.choices = [
@@ -79,7 +71,7 @@ class Generation:
         self.unanswered = set(range(len(self.choices)))
         suffix = uuid.uuid4().hex[:8]
         self.pumps = [
-            asyncio.create_task(self._pump(i, self.request.engine_request(i, suffix), deadline))
+            asyncio.create_task(self._pump(i, choice_request(self.request, i, suffix), deadline))
             for i in range(len(self.choices))
         ]
         try:

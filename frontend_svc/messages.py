@@ -81,7 +81,8 @@ class TokenLogprobs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineRequest:
-    """One engine Generate call: one choice of one client request."""
+    """A client's request validated and tokenized, and each of its engine Generate calls (one
+    per choice, generation.choice_request)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

@@ -9,8 +9,14 @@ from collections.abc import AsyncGenerator, Sequence
 
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.router import EngineRouter
-from frontend_svc.generation import Generation, PreparedRequest, collect
-from frontend_svc.messages import ChatMessage, GenerationRequest, GenerationUpdate, ModelInfo
+from frontend_svc.generation import Generation, collect
+from frontend_svc.messages import (
+    ChatMessage,
+    EngineRequest,
+    GenerationRequest,
+    GenerationUpdate,
+    ModelInfo,
+)
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.validation import validate_prompt, validate_request, validate_tokenize_input
@@ -62,11 +68,12 @@ class Frontend:
     ) -> GenerationUpdate:
         return await collect(self.stream(request, deadline))
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+    def prepare(self, request: GenerationRequest) -> EngineRequest:
+        """The request validated and tokenized; its choices' engine calls derive from it."""
         validate_request(request)
         field, prompt_token_ids = self._prompt_token_ids(request)
         validate_prompt(field, prompt_token_ids, self.model_info())
-        return PreparedRequest(
+        return EngineRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(prompt_token_ids),
             sampling=request.sampling,

@@ -11,27 +11,30 @@ from collections.abc import AsyncGenerator, Callable
 import zmq
 import zmq.asyncio
 
+from engine_svc.admission import check_request
 from engine_svc.client.engine_procs import EngineProcesses
 from engine_svc.client.observer import GuardedObserver, NullObserver, RequestObserver
 from engine_svc.client.output_stream import RequestOutputStream
 from engine_svc.client.proc_monitor import ProcessMonitor
 from engine_svc.client.utility_calls import PendingUtilityCalls, unwrap
 from engine_svc.config import EngineConfig
-from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from engine_svc.proc.wire import (
+from engine_svc.control_messages import (
     EngineDead,
     EngineInfo,
-    EngineInput,
-    EngineLoad,
-    EngineOutput,
     RequestRejected,
-    RequestType,
     ShutdownRequest,
     UtilityMethod,
     UtilityResult,
+)
+from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine_svc.proc.wire import (
+    EngineInput,
+    EngineOutput,
+    RequestType,
     decode_output,
     encode_request,
 )
+from shared.engine_load import RankLoad
 from shared.errors import EngineDeadError, EngineUnavailableError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -164,6 +167,7 @@ class AsyncMPClient:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         rank = self._select_rank(request)
+        check_request(request, self.ready_engine_infos[rank])
         stream = RequestOutputStream(request_id)
         self._streams[request_id] = stream
         self._rank_of[request_id] = rank
@@ -224,16 +228,16 @@ class AsyncMPClient:
         results = await self._call_all(UtilityMethod.RESET_PREFIX_CACHE)
         return all(bool(r) for r in results)
 
-    async def get_loads_async(self) -> list[EngineLoad]:
+    async def get_loads_async(self) -> list[RankLoad]:
         results = await self._call_all(UtilityMethod.GET_LOAD)
-        return [r for r in results if isinstance(r, EngineLoad)]
+        return [r for r in results if isinstance(r, RankLoad)]
 
-    async def _call_all(self, method: UtilityMethod) -> list[EngineLoad | bool | None]:
+    async def _call_all(self, method: UtilityMethod) -> list[RankLoad | bool | None]:
         self.check_accepting()
         calls = [self._call_utility(rank, method) for rank in range(self.num_ranks)]
         return list(await asyncio.gather(*calls))
 
-    async def _call_utility(self, rank: int, method: UtilityMethod) -> EngineLoad | bool | None:
+    async def _call_utility(self, rank: int, method: UtilityMethod) -> RankLoad | bool | None:
         call, result = self._utility_calls.new_call(method)
         await self._send(rank, RequestType.UTILITY, call)
         return unwrap(await result, method, rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine_svc.admission import check_request
 from engine_svc.config import EngineConfig
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.messages import EngineCoreOutputs, EngineCoreRequest
@@ -10,8 +11,11 @@ from engine_svc.messages import EngineCoreOutputs, EngineCoreRequest
 class InprocClient:
     def __init__(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
+        self.limits = self.engine_core.info()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Raises InvalidRequestError, naming the field, for a request that cannot run."""
+        check_request(request, self.limits)
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -9,25 +9,28 @@ from collections import deque
 
 import zmq
 
+from engine_svc.admission import check_request
 from engine_svc.client.engine_procs import EngineProcesses
 from engine_svc.config import EngineConfig
-from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from engine_svc.proc.wire import (
+from engine_svc.control_messages import (
     EngineDead,
     EngineInfo,
-    EngineInput,
-    EngineLoad,
-    EngineOutput,
-    OutputType,
     RequestRejected,
-    RequestType,
     ShutdownRequest,
     UtilityCall,
     UtilityMethod,
     UtilityResult,
+)
+from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine_svc.proc.wire import (
+    EngineInput,
+    EngineOutput,
+    OutputType,
+    RequestType,
     decode_output,
     encode_request,
 )
+from shared.engine_load import RankLoad
 from shared.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class SyncMPClient:
     # ---- the in-process client's interface --------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Raises InvalidRequestError, naming the field, for a request that cannot run."""
+        check_request(request, self.engine_info)
         self._send(RequestType.ADD, request)
         self._unfinished.add(request.request_id)
 
@@ -86,9 +91,9 @@ class SyncMPClient:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call_utility(UtilityMethod.RESET_PREFIX_CACHE))
 
-    def get_load(self) -> EngineLoad:
+    def get_load(self) -> RankLoad:
         value = self._call_utility(UtilityMethod.GET_LOAD)
-        if not isinstance(value, EngineLoad):
+        if not isinstance(value, RankLoad):
             raise TypeError(f"GET_LOAD answered {value!r}")
         return value
 
@@ -150,7 +155,7 @@ class SyncMPClient:
             return payload
         return None
 
-    def _call_utility(self, method: UtilityMethod) -> EngineLoad | bool | None:
+    def _call_utility(self, method: UtilityMethod) -> RankLoad | bool | None:
         call_id = next(self._call_ids)
         self._send(RequestType.UTILITY, UtilityCall(call_id, method))
         while True:

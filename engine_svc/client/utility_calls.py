@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from engine_svc.proc.wire import EngineLoad, UtilityCall, UtilityMethod, UtilityResult
+from engine_svc.control_messages import UtilityCall, UtilityMethod, UtilityResult
+from shared.engine_load import RankLoad
 from shared.errors import EngineUnavailableError
 
 
@@ -33,7 +34,7 @@ class PendingUtilityCalls:
                 future.set_exception(error)
 
 
-def unwrap(result: UtilityResult, method: UtilityMethod, rank: int) -> EngineLoad | bool | None:
+def unwrap(result: UtilityResult, method: UtilityMethod, rank: int) -> RankLoad | bool | None:
     """The value of a call, or the error the engine reported, raised."""
     if result.unavailable:
         raise EngineUnavailableError("the engine is shutting down")

@@ -17,20 +17,17 @@ from concurrent.futures import Future
 import torch
 
 from engine_svc.config import EngineConfig, SchedulerConfig
+from engine_svc.control_messages import EngineInfo
 from engine_svc.core.kv_cache.sizing import GiB, KVCachePlan, plan_kv_cache
 from engine_svc.core.request import Request
-from engine_svc.core.sched.output import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    PendingSample,
-    SchedulerOutput,
-)
+from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.core.sched.scheduler import Scheduler
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.models.model_spec import ModelSpec, load_model_spec
 from engine_svc.structured.manager import StructuredOutputManager
 from engine_svc.worker.executor import UniProcExecutor
 from engine_svc.worker.model_runner import resolve_device, resolve_dtype
+from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
 from shared.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -135,12 +132,24 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------------
 
+    def info(self, engine_index: int = 0) -> EngineInfo:
+        """The limits this engine resolved at start-up, which requests are checked against
+        where they enter (engine_svc/admission.py)."""
+        config = self.scheduler.config
+        return EngineInfo(
+            engine_index=engine_index,
+            max_model_len=self.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            eos_token_ids=list(self.spec.eos_token_ids),
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+        )
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Admit a request; raises InvalidRequestError (naming the field) if it can never run."""
+        """Queue a request its client checked (admission.check_request): the core trusts it."""
         params = request.sampling_params
-        params.validate()
         core_request = Request.from_engine_core_request(request, frozenset(self.spec.eos_token_ids))
-        self.scheduler.validate(core_request)
         if params.constraint is not None:
             core_request.structured = self.structured_output.start(params)
         self.scheduler.add_request(core_request)

@@ -38,7 +38,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
@@ -47,6 +47,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         # Prompt then outputs, one list, so prefill after preemption is the same code path.
+        # The core's one copy of the prompt.
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
@@ -73,8 +74,8 @@ class Request:
         )
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def num_tokens(self) -> int:
@@ -82,11 +83,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -66,8 +66,8 @@ class Projection(nn.Module):
     `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
     embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
     `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
-    packed_linear.cpp), set by `use_packed(True)`, which replaces the others (but a
-    `shared_weight`, tied to the embeddings, stays)."""
+    packed_linear.cpp), set by `pack()`, which replaces the others (but a `shared_weight`,
+    tied to the embeddings, stays). The model chooses a layout once, at load time."""
 
     weight_t: torch.Tensor | None
     weight_packed: torch.Tensor | None
@@ -97,21 +97,15 @@ class Projection(nn.Module):
         self.weight_t = transposed(self.weight)
         del self.weight
 
-    def use_packed(self, enabled: bool) -> None:
-        if enabled and self.weight_packed is None:
-            source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
-            block = packed_block_size(self.out_features)
-            self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
-            self.weight_t = None
-            if hasattr(self, "weight") and not self.shared_weight:
-                del self.weight
-        elif not enabled and self.weight_packed is not None:
-            if not hasattr(self, "weight"):  # the packed copy is the only one: unpack it
-                unpacked = torch.ops.duoserve.unpack_linear_weight(
-                    self.weight_packed, self.out_features
-                )
-                self.weight_t = transposed(unpacked)
-            self.weight_packed = None
+    def pack(self) -> None:
+        if self.weight_packed is not None:
+            return
+        source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
+        block = packed_block_size(self.out_features)
+        self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
+        self.weight_t = None
+        if hasattr(self, "weight") and not self.shared_weight:
+            del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_packed is not None:
@@ -253,8 +247,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops = enabled
         packed = enabled and packed_linear_available(self.model.embed_tokens.weight.dtype)
         for module in self.modules():
-            if isinstance(module, Projection):
-                module.use_packed(packed)
+            if isinstance(module, Projection) and packed:
+                module.pack()
             elif isinstance(module, RMSNorm):
                 module.fused = enabled
             elif isinstance(module, Attention):

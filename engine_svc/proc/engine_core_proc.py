@@ -13,6 +13,13 @@ import threading
 import time
 
 from engine_svc.config import EngineConfig
+from engine_svc.control_messages import (
+    RequestRejected,
+    ShutdownRequest,
+    UtilityCall,
+    UtilityMethod,
+    UtilityResult,
+)
 from engine_svc.core.engine_core import EngineCore
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.messages import (
@@ -23,18 +30,8 @@ from engine_svc.messages import (
     SchedulerStats,
 )
 from engine_svc.proc.engine_io import EngineIO
-from engine_svc.proc.wire import (
-    EngineInfo,
-    EngineInput,
-    EngineLoad,
-    OutputType,
-    RequestRejected,
-    RequestType,
-    ShutdownRequest,
-    UtilityCall,
-    UtilityMethod,
-    UtilityResult,
-)
+from engine_svc.proc.wire import EngineInput, OutputType, RequestType
+from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -58,24 +55,11 @@ class EngineCoreProc(EngineCore):
         super().__init__(config)
 
     @property
-    def engine_info(self) -> EngineInfo:
-        config = self.scheduler.config
-        return EngineInfo(
-            engine_index=self.io.engine_index,
-            max_model_len=self.max_model_len,
-            vocab_size=self.spec.vocab_size,
-            eos_token_ids=list(self.spec.eos_token_ids),
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs,
-        )
-
-    @property
     def is_shutting_down(self) -> bool:
         return self._shutdown_deadline is not None
 
     def run_busy_loop(self) -> None:
-        self.io.send(OutputType.READY, self.engine_info)
+        self.io.send(OutputType.READY, self.info(self.io.engine_index))
         while not (self.is_shutting_down and not self._has_unfinished()):
             self._process_input_queue()
             self._process_engine_step()
@@ -169,12 +153,12 @@ class EngineCoreProc(EngineCore):
                 result = UtilityResult(call.call_id, error=f"{type(error).__name__}: {error}")
         self.io.send(OutputType.UTILITY_RESULT, result)
 
-    def _run_utility(self, method: UtilityMethod) -> EngineLoad | bool:
+    def _run_utility(self, method: UtilityMethod) -> RankLoad | bool:
         if method == UtilityMethod.RESET_PREFIX_CACHE:
             return self.reset_prefix_cache()
         scheduler = self.scheduler
         pool = scheduler.kv_cache.pool
-        return EngineLoad(
+        return RankLoad(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=pool.usage,

@@ -10,11 +10,11 @@ import threading
 import msgspec
 import zmq
 
+from engine_svc.control_messages import RequestRejected
 from engine_svc.proc.wire import (
     EngineInput,
     EngineOutput,
     OutputType,
-    RequestRejected,
     RequestType,
     decode_request,
     encode_output,

@@ -1,7 +1,8 @@
-"""The ZMQ wire protocol between engine clients and EngineCoreProc: message types and codecs.
+"""The ZMQ wire protocol between engine clients and EngineCoreProc: frame headers and codecs.
 
 A message is two ZMQ frames: a header (the message type, one byte; outputs add the sending
-rank) and a msgpack payload holding one typed msgspec struct. Never pickle.
+rank) and a msgpack payload holding one typed msgspec struct (engine_svc/messages.py and
+control_messages.py). Never pickle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ import struct
 import msgspec
 
 from engine_svc.config import EngineConfig
+from engine_svc.control_messages import (
+    EngineDead,
+    EngineInfo,
+    RequestRejected,
+    ShutdownRequest,
+    UtilityCall,
+    UtilityResult,
+)
 from engine_svc.messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -34,61 +43,6 @@ class OutputType(enum.IntEnum):
     REJECTED = 2
     UTILITY_RESULT = 3
     ENGINE_CORE_DEAD = 4
-
-
-class UtilityMethod(enum.IntEnum):
-    GET_LOAD = 0
-    RESET_PREFIX_CACHE = 1
-
-
-class UtilityCall(msgspec.Struct, array_like=True):
-    call_id: int
-    method: UtilityMethod
-
-
-class EngineLoad(msgspec.Struct, array_like=True):
-    """One rank's load, read when asked (scheduler stats ride on outputs only while busy)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_kv_blocks: int
-
-
-class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
-    call_id: int
-    value: EngineLoad | bool | None = None
-    error: str | None = None
-    unavailable: bool = False  # refused because the engine is shutting down
-
-
-class ShutdownRequest(msgspec.Struct, array_like=True):
-    timeout_s: float  # 0: abort every request now; > 0: let them finish for that long
-
-
-class RequestRejected(msgspec.Struct, array_like=True):
-    """An ADD the engine refused: the request never ran. `field` names the bad input."""
-
-    request_id: str
-    field: str
-    message: str
-    unavailable: bool = False  # refused because the engine is shutting down
-
-
-class EngineInfo(msgspec.Struct, array_like=True):
-    """Sent once, when the engine is ready: the limits it resolved at start-up."""
-
-    engine_index: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    block_size: int
-    num_kv_blocks: int
-    max_num_seqs: int
-
-
-class EngineDead(msgspec.Struct, array_like=True):
-    reason: str
 
 
 class EngineProcArgs(msgspec.Struct):

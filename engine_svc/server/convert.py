@@ -8,10 +8,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
-from engine_svc.proc.wire import EngineInfo, EngineLoad
+from engine_svc.control_messages import EngineInfo
+from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.structured.grammars import check_constraint
+from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 from shared.protos import engine_pb2 as pb
 
@@ -37,13 +37,6 @@ _PLAIN_SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_FINISH_REASONS = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
-}
 
 
 def to_engine_request(request: pb.GenerateRequest) -> EngineCoreRequest:
@@ -60,7 +53,7 @@ def to_engine_request(request: pb.GenerateRequest) -> EngineCoreRequest:
 
 def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep the engine's defaults; an unset max_tokens means up to the
-    model length. Out-of-range values raise, naming `sampling_params.<field>`."""
+    model length. The engine client checks the values (engine_svc/admission.py)."""
     _check_size("sampling_params.stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
     options: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN_SAMPLING_FIELDS}
     options.update(
@@ -69,12 +62,9 @@ def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
     options["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else None
     options["stop_token_ids"] = list(params.stop_token_ids)
     options.update(_constraint_options(params))
-    with proto_field_names():
-        sampling_params = SamplingParams(**options)
-        # A bad schema or regex is refused here, in the server process: it never reaches
-        # the engine's busy loop.
-        check_constraint(sampling_params)
-        return sampling_params
+    # Checked by the engine client that takes the request (engine_svc/admission.py), in this
+    # process: a bad value, schema or regex never reaches the engine's busy loop.
+    return SamplingParams(**options)
 
 
 def _constraint_options(params: pb.SamplingParams) -> dict[str, Any]:
@@ -107,7 +97,8 @@ def to_generate_response(output: EngineCoreOutput) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=output.request_id,
         token_ids=output.new_token_ids,
-        finish_reason=_FINISH_REASONS[output.finish_reason],
+        # FinishReason is numbered as the proto's enum; None is its UNSPECIFIED (0).
+        finish_reason=pb.FinishReason.ValueType(output.finish_reason or 0),
         num_cached_tokens=output.num_cached_tokens,
         error=output.error or "",
     )
@@ -143,7 +134,7 @@ def to_model_info(model_name: str, infos: list[EngineInfo]) -> pb.GetModelInfoRe
     )
 
 
-def to_loads_response(loads: list[EngineLoad]) -> pb.GetLoadsResponse:
+def to_loads_response(loads: list[RankLoad]) -> pb.GetLoadsResponse:
     return pb.GetLoadsResponse(
         loads=[
             pb.RankLoad(

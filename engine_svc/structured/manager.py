@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine_svc.core.request import Request
-from engine_svc.core.sched.output import GrammarBitmask, SchedulerOutput
+from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.structured.compiler import GrammarCompiler
 from engine_svc.structured.request_state import StructuredRequestState
+from engine_svc.worker.outputs import GrammarBitmask
 
 
 class StructuredOutputManager:

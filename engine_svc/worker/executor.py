@@ -14,15 +14,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine_svc.core.sched.output import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    PendingSample,
-    SchedulerOutput,
-)
+from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.host_memory import keep_freed_activations
 from engine_svc.worker.model_runner import ModelRunner
+from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

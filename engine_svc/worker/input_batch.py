@@ -44,6 +44,38 @@ class ModelInputs:
     sample_request_ids: list[str]
 
 
+@dataclasses.dataclass(slots=True)
+class _FlatBatch:
+    """The step's rows as Python lists, decodes first, until they become tensors."""
+
+    input_ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    sample_indices: list[int] = dataclasses.field(default_factory=list)
+    sample_request_ids: list[str] = dataclasses.field(default_factory=list)
+
+    def sample_if_done(
+        self, row: int, request_id: str, end: int, state: RunnerRequestState
+    ) -> None:
+        """A request whose input ends at this row samples its next token here."""
+        if end == len(state.token_ids):
+            self.sample_indices.append(row)
+            self.sample_request_ids.append(request_id)
+
+
+@dataclasses.dataclass(slots=True)
+class _DecodeRows:
+    slots: list[int]  # the cache slot each decode token writes
+    block_tables: list[list[int]]
+    context_lens: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class _PrefillRows:
+    slots: list[torch.Tensor]  # per chunk, the cache slots its tokens write
+    chunks: list[PrefillChunk]  # the chunks that attend through SDPA
+    kernel_chunks: list[tuple[int, int]]  # (query_start, length): the C++ prefill kernel's
+
+
 def prepare_inputs(
     scheduled: list[ScheduledRequest],
     states: dict[str, RunnerRequestState],
@@ -58,90 +90,126 @@ def prepare_inputs(
     With `decode_kernel`, decodes get int32 block tables and context lengths for the C++
     kernel instead of a padding mask; with `prefill_kernel`, causal chunks that start a
     prompt go to the C++ prefill kernel together."""
-    decodes = [s for s in scheduled if len(s.token_ids) == 1]
-    prefills = [s for s in scheduled if len(s.token_ids) > 1]
+    batch = _FlatBatch()
+    decodes = _decode_rows(
+        batch, [s for s in scheduled if len(s.token_ids) == 1], states, block_size
+    )
+    prefills = _prefill_rows(
+        batch,
+        [s for s in scheduled if len(s.token_ids) > 1],
+        states,
+        block_size,
+        is_causal and prefill_kernel,
+        device,
+        dtype,
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(batch.positions, dtype=torch.long, device=device),
+        attention=_attention_metadata(
+            decodes, prefills, block_size, is_causal, device, dtype, decode_kernel
+        ),
+        sample_indices=torch.tensor(batch.sample_indices, dtype=torch.long, device=device),
+        sample_request_ids=batch.sample_request_ids,
+    )
 
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_indices: list[int] = []
-    sample_ids: list[str] = []
-    tables: list[list[int]] = []
-    context_lens: list[int] = []
-    for row, entry in enumerate(decodes):
+
+def _decode_rows(
+    batch: _FlatBatch,
+    decodes: list[ScheduledRequest],
+    states: dict[str, RunnerRequestState],
+    block_size: int,
+) -> _DecodeRows:
+    rows = _DecodeRows(slots=[], block_tables=[], context_lens=[])
+    for entry in decodes:
         state = states[entry.request_id]
-        pos = entry.num_computed_tokens
-        input_ids.append(entry.token_ids[0])
-        positions.append(pos)
-        slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
-        tables.append(state.block_ids)
-        context_lens.append(pos + 1)
-        if pos + 1 == len(state.token_ids):
-            sample_indices.append(row)
-            sample_ids.append(entry.request_id)
+        position = entry.num_computed_tokens
+        batch.sample_if_done(len(batch.input_ids), entry.request_id, position + 1, state)
+        batch.input_ids.append(entry.token_ids[0])
+        batch.positions.append(position)
+        block = state.block_ids[position // block_size]
+        rows.slots.append(block * block_size + position % block_size)
+        rows.block_tables.append(state.block_ids)
+        rows.context_lens.append(position + 1)
+    return rows
 
-    chunks: list[PrefillChunk] = []
-    kernel_chunks: list[tuple[int, int]] = []  # (query_start, length)
-    slot_pieces = [torch.tensor(slots, dtype=torch.long)]
+
+def _prefill_rows(
+    batch: _FlatBatch,
+    prefills: list[ScheduledRequest],
+    states: dict[str, RunnerRequestState],
+    block_size: int,
+    use_kernel: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> _PrefillRows:
+    """Chunks that start a prompt go to the kernel when `use_kernel`; a chunk after cached
+    tokens gathers its context from the cache through its slots, under a causal mask."""
+    rows = _PrefillRows(slots=[], chunks=[], kernel_chunks=[])
     for entry in prefills:
         state = states[entry.request_id]
         start, length = entry.num_computed_tokens, len(entry.token_ids)
-        query_start = len(input_ids)
-        input_ids.extend(entry.token_ids)
-        positions.extend(range(start, start + length))
+        query_start = len(batch.input_ids)
+        batch.input_ids.extend(entry.token_ids)
+        batch.positions.extend(range(start, start + length))
         table = torch.tensor(state.block_ids, dtype=torch.long)
-        slot_pieces.append(_slots(table, torch.arange(start, start + length), block_size))
-        chunk = PrefillChunk(query_start, length, None, None)
-        if start > 0:
-            context = torch.arange(start + length)
-            chunk.context_slots = _slots(table, context, block_size).to(device)
-            query_pos = torch.arange(start, start + length).unsqueeze(1)
-            chunk.mask = _additive_mask(context.unsqueeze(0) <= query_pos, dtype, device)
-        if start == 0 and prefill_kernel and is_causal:
-            kernel_chunks.append((query_start, length))
+        rows.slots.append(_slots(table, torch.arange(start, start + length), block_size))
+        if start == 0 and use_kernel:
+            rows.kernel_chunks.append((query_start, length))
         else:
-            chunks.append(chunk)
-        if start + length == len(state.token_ids):
-            sample_indices.append(query_start + length - 1)
-            sample_ids.append(entry.request_id)
+            chunk = PrefillChunk(query_start, length, None, None)
+            if start > 0:
+                context = torch.arange(start + length)
+                chunk.context_slots = _slots(table, context, block_size).to(device)
+                query_positions = torch.arange(start, start + length).unsqueeze(1)
+                chunk.mask = _additive_mask(context.unsqueeze(0) <= query_positions, dtype, device)
+            rows.chunks.append(chunk)
+        batch.sample_if_done(query_start + length - 1, entry.request_id, start + length, state)
+    return rows
 
+
+def _attention_metadata(
+    decodes: _DecodeRows,
+    prefills: _PrefillRows,
+    block_size: int,
+    is_causal: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    decode_kernel: bool,
+) -> AttentionMetadata:
+    """Decodes read the cache through padded block tables: with the C++ kernel, as int32
+    with their context lengths; without it, under an additive padding mask."""
     block_tables = mask = kernel_inputs = None
-    if decodes:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+    num_decodes = len(decodes.context_lens)
+    if num_decodes:
+        width = max(len(t) for t in decodes.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in decodes.block_tables]
         if decode_kernel:
             block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
             kernel_inputs = DecodeKernelInputs(
-                context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-                max_context_len=max(context_lens),
+                context_lens=torch.tensor(decodes.context_lens, dtype=torch.int32, device=device),
+                max_context_len=max(decodes.context_lens),
             )
         else:
             block_tables = torch.tensor(padded, device=device)
-            lens = torch.tensor(context_lens, device=device)
+            lens = torch.tensor(decodes.context_lens, device=device)
             keys = torch.arange(width * block_size, device=device)
-            visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            visible = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(num_decodes, 1, 1, -1)
             mask = _additive_mask(visible, dtype, device)
-
     prefill_inputs = None
-    if kernel_chunks:
-        spans = torch.tensor(kernel_chunks, dtype=torch.int32, device=device)
+    if prefills.kernel_chunks:
+        spans = torch.tensor(prefills.kernel_chunks, dtype=torch.int32, device=device)
         prefill_inputs = PrefillKernelInputs(spans[:, 0].contiguous(), spans[:, 1].contiguous())
-    attention = AttentionMetadata(
-        slot_mapping=torch.cat(slot_pieces).to(device),
-        num_decodes=len(decodes),
+    decode_slots = torch.tensor(decodes.slots, dtype=torch.long)
+    return AttentionMetadata(
+        slot_mapping=torch.cat([decode_slots, *prefills.slots]).to(device),
+        num_decodes=num_decodes,
         decode_block_tables=block_tables,
         decode_mask=mask,
-        prefills=chunks,
+        prefills=prefills.chunks,
         is_causal=is_causal,
         decode_kernel=kernel_inputs,
         prefill_kernel=prefill_inputs,
-    )
-    return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        attention=attention,
-        sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-        sample_request_ids=sample_ids,
     )
 
 

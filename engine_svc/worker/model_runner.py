@@ -8,12 +8,7 @@ import sys
 
 import torch
 
-from engine_svc.core.sched.output import (
-    GrammarBitmask,
-    ModelRunnerOutput,
-    PendingSample,
-    SchedulerOutput,
-)
+from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.kernels import cpu_kernels_available, describe, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
@@ -21,6 +16,7 @@ from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.host_memory import populate_in_background, zeroed_host_tensor
 from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
+from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
 from engine_svc.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -160,7 +156,7 @@ class ModelRunner:
                 self.states[entry.request_id] = RunnerRequestState(
                     sampling_params=new.sampling_params,
                     num_prompt_tokens=new.num_prompt_tokens,
-                    token_ids=list(new.all_token_ids),
+                    token_ids=new.all_token_ids,  # the scheduler's snapshot, now ours
                     block_ids=list(entry.new_block_ids),
                 )
             else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from frontend_svc.messages import (
     EngineOutput,
     EngineRequest,
@@ -12,6 +10,7 @@ from frontend_svc.messages import (
     SamplingOptions,
     TokenLogprobs,
 )
+from shared.engine_load import EngineLoad, RankLoad
 from shared.protos import engine_pb2 as pb
 
 # Set only when given, so unset ones keep the engine's defaults.
@@ -24,15 +23,6 @@ _PLAIN_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLoad:
-    """An engine's queue, summed over its data-parallel ranks."""
-
-    num_running: int
-    num_waiting: int
-    num_ranks: int
 
 
 def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
@@ -96,7 +86,10 @@ def to_model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
 
 def to_engine_load(response: pb.GetLoadsResponse) -> EngineLoad:
     return EngineLoad(
-        num_running=sum(rank.num_running for rank in response.loads),
-        num_waiting=sum(rank.num_waiting for rank in response.loads),
-        num_ranks=max(1, len(response.loads)),
+        tuple(
+            RankLoad(
+                rank.num_running, rank.num_waiting, rank.kv_cache_usage, rank.num_free_kv_blocks
+            )
+            for rank in response.loads
+        )
     )

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend_svc.engines.convert import EngineLoad, to_engine_load, to_model_info
+from frontend_svc.engines.convert import to_engine_load, to_model_info
 from frontend_svc.messages import ModelInfo
+from shared.engine_load import EngineLoad
 from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from engine_svc.client.mp_client import SyncMPClient
 from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine_svc.sampling_params import SamplingParams
-from shared.errors import EngineDeadError
+from shared.errors import EngineDeadError, InvalidRequestError
 
 PROMPTS = [[5, 6, 7], list(range(100, 160)), [42] * 20, [3, 1, 4, 1, 5, 9, 2, 6]]
 
@@ -64,15 +64,17 @@ def test_same_tokens_as_the_in_process_client(client: SyncMPClient, tiny_model_d
     assert client.get_load().num_free_kv_blocks == 256
 
 
-def test_a_bad_request_finishes_with_an_error_and_the_others_go_on(client: SyncMPClient) -> None:
-    client.add_request(_request("bad", [5, 10**6], 4))
+def test_a_bad_request_is_refused_at_admission_and_the_others_go_on(
+    client: SyncMPClient,
+) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^prompt_token_ids:"):
+        client.add_request(_request("bad", [5, 10**6], 4))  # never sent to the engine
     client.add_request(_request("good", [5, 6], 4))
     outputs: dict[str, EngineCoreOutput] = {}
     while client.has_unfinished_requests():
         for output in client.get_output().outputs:
             outputs[output.request_id] = output
-    assert outputs["bad"].finish_reason == FinishReason.ERROR
-    assert (outputs["bad"].error or "").startswith("prompt_token_ids:")
+    assert list(outputs) == ["good"]
     assert outputs["good"].finish_reason == FinishReason.LENGTH
 
 

@@ -37,8 +37,10 @@ def test_every_sampling_field_comes_across() -> None:
 
 
 def test_errors_name_the_field_as_the_client_spells_it() -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        convert.to_sampling_params(pb.SamplingParams(top_p=2.0))
+    params = convert.to_sampling_params(pb.SamplingParams(top_p=2.0))
+    # The servicer's admission (the engine client checks) runs inside proto_field_names.
+    with pytest.raises(InvalidRequestError) as caught, convert.proto_field_names():
+        params.validate()
     assert caught.value.field == "sampling_params.top_p"
 
 

@@ -43,7 +43,7 @@ def test_generate_accepts_text_and_token_ids_and_keeps_order(llm: LLM) -> None:
 
 def test_invalid_requests_name_the_field(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as excinfo:
-        SamplingParams(temperature=-1)
+        llm.generate([[1, 2]], SamplingParams(temperature=-1))  # checked where it enters
     assert excinfo.value.field == "temperature"
     cases = {
         "prompt_token_ids": ([], SamplingParams()),

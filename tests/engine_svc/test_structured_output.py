@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.server.convert import to_sampling_params
+from engine_svc.server.convert import proto_field_names, to_sampling_params
 from shared.errors import InvalidRequestError
 from shared.protos import engine_pb2 as pb
 from tests.engine_svc.engine_helpers import assert_kv_cache_clean
@@ -119,17 +119,22 @@ def test_each_grammar_compiles_once(tiny_model_dir: Path) -> None:
 def test_invalid_constraints_name_their_field(
     tiny_model_dir: Path, options: dict, field: str
 ) -> None:
-    with pytest.raises(InvalidRequestError) as excinfo:
-        from engine_svc.structured.grammars import check_constraint
+    from engine_svc.structured.grammars import check_constraint
 
-        check_constraint(SamplingParams(**options))
+    params = SamplingParams(**options)
+    with pytest.raises(InvalidRequestError) as excinfo:  # as admission checks them
+        params.validate()
+        check_constraint(params)
     assert excinfo.value.field == field
 
 
 def test_service_refuses_bad_grammars_before_the_engine() -> None:
-    bad = pb.SamplingParams(regex="(unclosed")
-    with pytest.raises(InvalidRequestError) as excinfo:
-        to_sampling_params(bad)
+    from engine_svc.structured.grammars import check_constraint
+
+    bad = to_sampling_params(pb.SamplingParams(regex="(unclosed"))
+    # The service's engine client admits it in the server process, fields named as sent.
+    with pytest.raises(InvalidRequestError) as excinfo, proto_field_names():
+        check_constraint(bad)
     assert excinfo.value.field == "sampling_params.regex"
     good = to_sampling_params(pb.SamplingParams(choice=pb.ChoiceConstraint(choices=CHOICES)))
     assert good.choice == CHOICES

@@ -1,5 +1,6 @@
 """vllm.grpc.engine <-> engine structs, without a server: vLLM's defaults for unset fields,
-refusals that name the field, and the chunk-then-complete shape smg reads."""
+refusals that name the field (the conversion's and admission's), and the chunk-then-complete
+shape smg reads."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from engine_svc.admission import check_request
+from engine_svc.control_messages import EngineInfo
 from engine_svc.messages import EngineCoreOutput, FinishReason, TokenLogprobs
-from engine_svc.proc.wire import EngineInfo, EngineLoad
+from engine_svc.server.convert import proto_field_names
 from engine_svc.server.vllm_compat import convert
 from engine_svc.server.vllm_compat.responses import EngineRequestError, GenerateResponses
 from engine_svc.server.vllm_compat.tokenizer_bundle import archive_chunks, build_archive
+from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
 INFO = EngineInfo(
@@ -87,8 +91,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     ],
 )
 def test_refusals_name_the_field(request_: vpb.GenerateRequest, field: str) -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        convert.to_engine_request(request_)
+    # As the servicer does: convert, then the engine client admits, fields named as in vllm's proto.
+    with pytest.raises(InvalidRequestError) as caught, proto_field_names():
+        check_request(convert.to_engine_request(request_), INFO)
     assert caught.value.field == field
 
 
@@ -146,7 +151,7 @@ def test_an_engine_error_is_not_a_completion() -> None:
 
 
 def test_loads_per_rank_and_filtered() -> None:
-    loads = [EngineLoad(2, 1, 0.25, 75), EngineLoad(0, 0, 0.0, 100)]
+    loads = [RankLoad(2, 1, 0.25, 75), RankLoad(0, 0, 0.0, 100)]
     response = convert.to_loads_response(vpb.GetLoadsRequest(), loads, [INFO, INFO])
     assert response.dp_rank_count == 2
     first = response.loads[0]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from engine_svc import control_messages as control
 from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.proc import wire
 from engine_svc.sampling_params import SamplingParams
+from shared.engine_load import RankLoad
 
 REQUEST = EngineCoreRequest(
     request_id="r1", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=None)
@@ -20,8 +22,8 @@ REQUEST = EngineCoreRequest(
     [
         (wire.RequestType.ADD, REQUEST),
         (wire.RequestType.ABORT, ["a", "b"]),
-        (wire.RequestType.UTILITY, wire.UtilityCall(7, wire.UtilityMethod.GET_LOAD)),
-        (wire.RequestType.SHUTDOWN, wire.ShutdownRequest(2.5)),
+        (wire.RequestType.UTILITY, control.UtilityCall(7, control.UtilityMethod.GET_LOAD)),
+        (wire.RequestType.SHUTDOWN, control.ShutdownRequest(2.5)),
     ],
 )
 def test_requests_round_trip(request_type: wire.RequestType, payload: wire.EngineInput) -> None:
@@ -33,7 +35,7 @@ def test_requests_round_trip(request_type: wire.RequestType, payload: wire.Engin
 @pytest.mark.parametrize(
     ("output_type", "payload"),
     [
-        (wire.OutputType.READY, wire.EngineInfo(0, 1024, 49152, [2], 16, 256, 8)),
+        (wire.OutputType.READY, control.EngineInfo(0, 1024, 49152, [2], 16, 256, 8)),
         (
             wire.OutputType.OUTPUTS,
             EngineCoreOutputs(
@@ -44,10 +46,10 @@ def test_requests_round_trip(request_type: wire.RequestType, payload: wire.Engin
                 ]
             ),
         ),
-        (wire.OutputType.REJECTED, wire.RequestRejected("r", "prompt_token_ids", "empty")),
-        (wire.OutputType.UTILITY_RESULT, wire.UtilityResult(1, wire.EngineLoad(1, 2, 0.5, 9))),
-        (wire.OutputType.UTILITY_RESULT, wire.UtilityResult(2, True)),
-        (wire.OutputType.ENGINE_CORE_DEAD, wire.EngineDead("boom")),
+        (wire.OutputType.REJECTED, control.RequestRejected("r", "prompt_token_ids", "empty")),
+        (wire.OutputType.UTILITY_RESULT, control.UtilityResult(1, RankLoad(1, 2, 0.5, 9))),
+        (wire.OutputType.UTILITY_RESULT, control.UtilityResult(2, True)),
+        (wire.OutputType.ENGINE_CORE_DEAD, control.EngineDead("boom")),
     ],
 )
 def test_outputs_round_trip_with_the_sending_rank(
@@ -58,7 +60,8 @@ def test_outputs_round_trip_with_the_sending_rank(
 
 
 def test_an_add_that_does_not_decode_still_yields_its_request_id() -> None:
-    bad = msgspec.msgpack.encode(["r9", [1], {"temperature": -1.0}])
+    # A value of the wrong type (values in range are admission's business, not the codec's).
+    bad = msgspec.msgpack.encode(["r9", [1], {"temperature": "hot"}])
     with pytest.raises(msgspec.ValidationError):
         wire.decode_request([bytes([wire.RequestType.ADD]), bad])
     assert wire.request_id_of(bad) == "r9"

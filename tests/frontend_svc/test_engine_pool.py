@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from frontend_svc.engines import resolver as resolver_module
-from frontend_svc.engines.convert import EngineLoad
 from frontend_svc.engines.endpoint import EngineEndpoint
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.resolver import AddressResolver, parse_target
+from shared.engine_load import EngineLoad, RankLoad
 from shared.errors import EngineOverloadedError, EngineUnavailableError
 
 
@@ -58,8 +58,10 @@ def test_calls_spread_over_idle_engines_then_follow_the_load() -> None:
 
 def test_the_engines_report_counts_other_frontends_load_per_rank() -> None:
     pool = make_pool(["a:1", "b:1"])
-    pool.endpoints["a:1"].reported_load = EngineLoad(num_running=6, num_waiting=2, num_ranks=1)
-    pool.endpoints["b:1"].reported_load = EngineLoad(num_running=6, num_waiting=4, num_ranks=2)
+    pool.endpoints["a:1"].reported_load = EngineLoad((RankLoad(6, 2, 0.0, 0),))
+    pool.endpoints["b:1"].reported_load = EngineLoad(
+        (RankLoad(3, 2, 0.0, 0), RankLoad(3, 2, 0.0, 0))
+    )
     assert pool.pick().address == "b:1"  # 5 per rank against 8
 
 
@@ -83,7 +85,7 @@ def test_admission_refuses_when_the_queue_is_full_or_no_engine_serves() -> None:
     pool.answered(2)
     pool.admit(2)  # room again once engines answered
     assert pool.num_waiting == 4
-    pool.endpoints["a:1"].reported_load = EngineLoad(num_running=0, num_waiting=9, num_ranks=1)
+    pool.endpoints["a:1"].reported_load = EngineLoad((RankLoad(0, 9, 0.0, 0),))
     pool.answered(4)
     with pytest.raises(EngineOverloadedError):
         pool.admit(1)  # other frontends' requests fill the engine's queue

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
 
 
@@ -15,7 +13,9 @@ class NewRequestData:
 
     sampling_params: SamplingParams
     num_prompt_tokens: int
-    all_token_ids: list[int]  # prompt and outputs so far (the runner extends its copy)
+    # Prompt and outputs so far, as of the step: the runner keeps this list as its own and
+    # extends it (no further copy).
+    all_token_ids: list[int]
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,27 +45,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclasses.dataclass(slots=True)
-class ModelRunnerOutput:
-    """What the forward produced: one token per request that reached the end of its input."""
-
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-
-
-@dataclasses.dataclass(slots=True)
-class PendingSample:
-    """A forward's logits whose sampling waits for a grammar bitmask (structured output)."""
-
-    logits: Any  # tensor [rows, vocab]; typed loosely: the scheduler does not import torch
-    request_ids: list[str]
-
-
-@dataclasses.dataclass(slots=True)
-class GrammarBitmask:
-    """Allowed tokens for the constrained requests that sample this step."""
-
-    request_ids: list[str]  # row i of the bitmask belongs to request_ids[i]
-    bitmask: Any  # int32 tensor [rows, ceil(vocab / 32)]

@@ -15,14 +15,10 @@ import time
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache.manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
-from engine_svc.core.sched.output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from engine_svc.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine_svc.core.sched.request_queue import make_request_queue
 from engine_svc.messages import EngineCoreOutput, FinishReason, RequestTimes, SchedulerStats
+from engine_svc.worker.outputs import ModelRunnerOutput
 from shared.errors import InvalidRequestError
 
 
@@ -43,45 +39,13 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.validate(request)
+        """Queue a request checked where it entered the engine (engine_svc/admission.py).
+        A request id still running is refused: its state would be overwritten."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def validate(self, request: Request) -> None:
-        """Reject, at admission, any request that could never finish."""
-        config = self.config
-        if request.request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        if config.vocab_size and not all(
-            0 <= t < config.vocab_size for t in request.prompt_token_ids
-        ):
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token ids must be in [0, {config.vocab_size})"
-            )
-        if request.num_prompt_tokens >= config.max_model_len:
-            raise InvalidRequestError(
-                "prompt_token_ids",
-                f"{request.num_prompt_tokens} tokens leave no room to generate within "
-                f"max_model_len={config.max_model_len}",
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            total = request.num_prompt_tokens + max_tokens
-            if total > config.max_model_len:
-                raise InvalidRequestError(
-                    "max_tokens",
-                    f"prompt ({request.num_prompt_tokens}) + max_tokens ({max_tokens}) = "
-                    f"{total} exceeds max_model_len={config.max_model_len}",
-                )
-            if self.kv_cache.blocks_needed(total) > config.num_kv_blocks:
-                raise InvalidRequestError(
-                    "max_tokens",
-                    f"{total} tokens need more KV blocks than the {config.num_kv_blocks} "
-                    "that exist",
-                )
 
     # ---- scheduling ------------------------------------------------------------------
 
@@ -190,6 +154,7 @@ class Scheduler:
             entry.new_request = NewRequestData(
                 sampling_params=request.sampling_params,
                 num_prompt_tokens=request.num_prompt_tokens,
+                # A snapshot as of this step, which the runner keeps as its own.
                 all_token_ids=list(request.all_token_ids),
             )
             scheduled[request.request_id] = entry
@@ -319,10 +284,6 @@ class Scheduler:
         self._freed_request_ids.append(request.request_id)
 
     # ---- state -----------------------------------------------------------------------
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def has_requests(self) -> bool:
         return bool(self.requests)

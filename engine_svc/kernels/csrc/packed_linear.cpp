@@ -53,15 +53,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   return padded.view({num_blocks, block, k}).transpose(1, 2).contiguous();
 }
 
-// The inverse of pack_linear_weight: [N, K].
-at::Tensor unpack_linear_weight(const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(packed.dim() == 3, "packed must be [blocks, in_features, block]");
-  const int64_t k = packed.size(1);
-  auto rows = packed.transpose(1, 2).reshape({packed.size(0) * packed.size(2), k});
-  TORCH_CHECK(out_features >= 1 && out_features <= rows.size(0), "out_features out of range");
-  return rows.narrow(0, 0, out_features).contiguous();
-}
-
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
@@ -126,13 +117,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 TORCH_LIBRARY_FRAGMENT(duoserve, m) {
   m.def("pack_linear_weight(Tensor weight, int block) -> Tensor");
-  m.def("unpack_linear_weight(Tensor packed, int out_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("unpack_linear_weight", &unpack_linear_weight);
   m.impl("packed_linear", &packed_linear);
 }
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
+from engine_svc.control_messages import EngineInfo
 from engine_svc.messages import EngineCoreRequest
-from engine_svc.proc.wire import EngineInfo, EngineLoad
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.server.convert import MAX_ABORT_IDS, MAX_REQUEST_ID_CHARS, proto_field_names
-from engine_svc.structured.grammars import check_constraint
+from engine_svc.server.convert import MAX_ABORT_IDS, MAX_REQUEST_ID_CHARS
+from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
 SERVER_TYPE = "duoserve"
@@ -96,10 +96,7 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
         "seed": params.seed if params.HasField("seed") else None,
     }
     options.update(_constraint_options(params))
-    with proto_field_names():
-        sampling_params = SamplingParams(**options)
-        check_constraint(sampling_params)
-        return sampling_params
+    return SamplingParams(**options)  # checked by the engine client (engine_svc/admission.py)
 
 
 def _refuse_unsupported_sampling(params: vpb.SamplingParams) -> None:
@@ -207,7 +204,7 @@ def to_server_info(state: ServerState, infos: list[EngineInfo]) -> vpb.GetServer
 
 
 def to_loads_response(
-    request: vpb.GetLoadsRequest, loads: list[EngineLoad], infos: list[EngineInfo]
+    request: vpb.GetLoadsRequest, loads: list[RankLoad], infos: list[EngineInfo]
 ) -> vpb.GetLoadsResponse:
     ranks = list(range(len(loads)))
     if request.HasField("dp_rank"):
@@ -222,7 +219,7 @@ def to_loads_response(
     )
 
 
-def _scheduler_load(rank: int, load: EngineLoad, info: EngineInfo) -> vpb.SchedulerLoad:
+def _scheduler_load(rank: int, load: RankLoad, info: EngineInfo) -> vpb.SchedulerLoad:
     num_used_blocks = info.num_kv_blocks - load.num_free_kv_blocks
     return vpb.SchedulerLoad(
         dp_rank=rank,

@@ -1,0 +1,50 @@
+"""A request is checked once, where it enters the engine: by the client that hands it to an
+engine core (the gRPC service's, the offline LLM's), against the limits that engine resolved
+at start-up. The core then trusts the typed request it is given and checks nothing again.
+
+A request that could never finish is refused here, naming the field: sampling parameters out
+of range, a constraint that does not parse, an empty prompt or one with unknown token ids, a
+prompt and max_tokens that do not fit the model length or the KV cache.
+"""
+
+from __future__ import annotations
+
+from engine_svc.control_messages import EngineInfo
+from engine_svc.messages import EngineCoreRequest
+from engine_svc.structured.grammars import check_constraint
+from shared.errors import InvalidRequestError
+
+
+def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
+    """Raise InvalidRequestError, naming the field, unless `request` can run to its end."""
+    params = request.sampling_params
+    params.validate()
+    check_constraint(params)
+    prompt = request.prompt_token_ids
+    num_prompt = len(prompt)
+    if not prompt:
+        raise InvalidRequestError("prompt_token_ids", "must not be empty")
+    if not all(0 <= t < limits.vocab_size for t in prompt):
+        raise InvalidRequestError(
+            "prompt_token_ids", f"token ids must be in [0, {limits.vocab_size})"
+        )
+    if num_prompt >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt_token_ids",
+            f"{num_prompt} tokens leave no room to generate within "
+            f"max_model_len={limits.max_model_len}",
+        )
+    if params.max_tokens is None:
+        return
+    total = num_prompt + params.max_tokens
+    if total > limits.max_model_len:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({num_prompt}) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"max_model_len={limits.max_model_len}",
+        )
+    if -(-total // limits.block_size) > limits.num_kv_blocks:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"{total} tokens need more KV blocks than the {limits.num_kv_blocks} that exist",
+        )

@@ -1,0 +1,37 @@
+"""What the model runner hands back to the engine core: the sampled tokens, or the logits of
+a step whose sampling waits for a grammar bitmask, and that bitmask. Tensors are typed for the
+checker only, so the scheduler, which reads ModelRunnerOutput, still imports no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from engine_svc.messages import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclasses.dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the forward produced: one token per request that reached the end of its input."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+@dataclasses.dataclass(slots=True)
+class PendingSample:
+    """A forward's logits whose sampling waits for a grammar bitmask (structured output)."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    request_ids: list[str]
+
+
+@dataclasses.dataclass(slots=True)
+class GrammarBitmask:
+    """Allowed tokens for the constrained requests that sample this step."""
+
+    request_ids: list[str]  # row i of the bitmask belongs to request_ids[i]
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab / 32)]
