@@ -17,7 +17,7 @@ from engine_svc.messages import (
 )
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.server.metrics import EngineServiceMetrics
-from tests.engine_svc.test_scheduler import FakeEngine, make_config, make_request
+from tests.engine_svc.scheduler_harness import FakeEngine, make_config, make_request
 
 MODEL = "tiny"
 
