@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
-from tests.engine_svc.service_helpers import (
+from tests.service_processes import (
     SERVING,
     ServiceProcess,
     StreamResult,

@@ -17,7 +17,7 @@ import pytest
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
-from tests.engine_svc.service_helpers import (
+from tests.service_processes import (
     NOT_SERVING,
     ServiceProcess,
     StreamResult,

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.metrics import catalog
-from tests.engine_svc.service_helpers import (
+from tests.service_processes import (
     ServiceProcess,
     StreamResult,
     consume,

@@ -5,7 +5,6 @@ input, and record which calls the frontend cancelled (what makes a real engine a
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,15 +12,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
+from tests.service_processes import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):

@@ -13,16 +13,13 @@ import grpc
 import pytest
 
 from shared.frontend_protos import frontend_pb2 as pb
-from tests.engine_svc.service_helpers import (
+from tests.frontend_svc.frontend_helpers import frontend_stub, greedy
+from tests.service_processes import (
     NOT_SERVING,
     SERVING,
+    FrontendProcess,
     ServiceProcess,
     run_async,
-)
-from tests.frontend_svc.service_processes import (
-    FrontendProcess,
-    frontend_stub,
-    greedy,
     wait_all_serving,
 )
 

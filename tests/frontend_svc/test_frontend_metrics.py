@@ -18,13 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.frontend_protos import frontend_pb2 as pb
-from tests.engine_svc.service_helpers import ServiceProcess, run_async
-from tests.frontend_svc.service_processes import (
-    FrontendProcess,
-    frontend_stub,
-    greedy,
-    wait_all_serving,
-)
+from tests.frontend_svc.frontend_helpers import frontend_stub, greedy
+from tests.service_processes import FrontendProcess, ServiceProcess, run_async, wait_all_serving
 from tests.shared.metrics_helpers import promtool_problems
 from tests.shared.prometheus_server import PrometheusServer
 

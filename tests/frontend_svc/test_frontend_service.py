@@ -17,12 +17,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
-from tests.engine_svc.service_helpers import SERVING, ServiceProcess, run_async
-from tests.frontend_svc.service_processes import (
+from tests.frontend_svc.frontend_helpers import frontend_stub, greedy, stream_texts
+from tests.service_processes import (
+    SERVING,
     FrontendProcess,
-    frontend_stub,
-    greedy,
-    stream_texts,
+    ServiceProcess,
+    run_async,
     wait_all_serving,
 )
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.engine_svc.service_helpers import REPO_ROOT, free_port
+from tests.service_processes import REPO_ROOT, free_port
 
 READY_TIMEOUT_S = 120.0
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_svc.service_helpers import ServiceProcess, start_service
-from tests.interop.processes import FrontendProcess, SmgProcess
+from tests.interop.processes import SmgProcess
+from tests.service_processes import FrontendProcess, ServiceProcess, start_service
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +33,9 @@ def model_name(tiny_model_dir: Path) -> str:
 def frontend(
     engine: ServiceProcess, tiny_model_dir: Path, interop_logs: Path
 ) -> Iterator[FrontendProcess]:
-    service = FrontendProcess(engine.address, tiny_model_dir, interop_logs / "frontend.log")
+    service = FrontendProcess(
+        [engine.address], interop_logs / "frontend.log", "--tokenizer", str(tiny_model_dir)
+    )
     try:
         service.wait_serving()
         yield service

@@ -1,5 +1,5 @@
-"""Real clients' counterparts as subprocesses on free 127.0.0.1 ports: our frontend, and the
-Shepherd Model Gateway (smg) in front of an engine. Every wait is bounded; stop() kills each
+"""The Shepherd Model Gateway (smg) as a subprocess on free 127.0.0.1 ports, in front of an
+engine. Every wait is bounded; stop() kills each
 by its process id (its own session, so its whole group)."""
 
 from __future__ import annotations
@@ -12,27 +12,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.engine_svc.service_helpers import REPO_ROOT, START_TIMEOUT_S, ServiceProcess, free_port
+from tests.service_processes import REPO_ROOT, START_TIMEOUT_S, ServiceProcess, free_port
 
 BIN_DIR = Path(sys.executable).parent  # grpcurl and smg come with the dev dependencies
-
-
-class FrontendProcess(ServiceProcess):
-    """`python -m frontend_svc` before one engine; health, waits and stop() as for it."""
-
-    def __init__(self, engine_address: str, tokenizer_dir: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [
-            sys.executable, "-m", "frontend_svc", "--engine", engine_address,
-            "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(free_port()),
-            "--tokenizer", str(tokenizer_dir), "--engine-poll-interval", "0.2",
-        ]  # fmt: skip
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
 
 
 class SmgProcess(ServiceProcess):

@@ -7,8 +7,8 @@ import json
 import subprocess
 from typing import Any
 
-from tests.engine_svc.service_helpers import ServiceProcess
-from tests.interop.processes import BIN_DIR, FrontendProcess
+from tests.interop.processes import BIN_DIR
+from tests.service_processes import FrontendProcess, ServiceProcess
 
 PROMPT = "The capital of France is"
 

@@ -12,8 +12,8 @@ from openai.types.chat import ChatCompletionUserMessageParam
 
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
-from tests.engine_svc.service_helpers import ServiceProcess
-from tests.interop.processes import FrontendProcess, SmgProcess
+from tests.interop.processes import SmgProcess
+from tests.service_processes import FrontendProcess, ServiceProcess
 
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from tests.engine_svc.service_helpers import SERVING, ServiceProcess
+from tests.service_processes import SERVING, ServiceProcess
 
 SERVICE = "vllm.grpc.engine.VllmEngine"
 

@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.k8s.manifests import REPO_ROOT, Manifest, find, of_kind, pod_spec
+from tests.service_processes import free_port
 
 START_TIMEOUT_S = 300.0
 EXIT_SLACK_S = 15.0
 _VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _environment(manifests: list[Manifest], container: Manifest) -> dict[str, str]:
@@ -115,14 +109,14 @@ def test_pod_command_lines_serve_and_drain(
     rendered: dict[str, list[Manifest]], default_model_dir: Path, tmp_path: Path
 ) -> None:
     manifests = rendered["cpu"]
-    engine_port = _free_port()
+    engine_port = free_port()
     engine_args, engine_env = _command(
         manifests,
         "duoserve-engine",
         {
             "--host": "127.0.0.1",
             "--port": str(engine_port),
-            "--metrics-port": str(_free_port()),
+            "--metrics-port": str(free_port()),
             "--model": str(default_model_dir),  # where the init container would put it
         },
     )
@@ -134,7 +128,7 @@ def test_pod_command_lines_serve_and_drain(
     with _running("engine_svc", engine_args, engine_env, engine_log) as engine:
         _wait_serving(f"127.0.0.1:{engine_port}", "engine.v1.EngineCoreService", engine, engine_log)
         if (REPO_ROOT / "frontend_svc" / "__main__.py").is_file():
-            frontend_port = _free_port()
+            frontend_port = free_port()
             frontend_args, frontend_env = _command(
                 manifests,
                 "duoserve-frontend",
@@ -142,7 +136,7 @@ def test_pod_command_lines_serve_and_drain(
                     "--engine": f"127.0.0.1:{engine_port}",
                     "--host": "127.0.0.1",
                     "--port": str(frontend_port),
-                    "--metrics-port": str(_free_port()),
+                    "--metrics-port": str(free_port()),
                 },
             )
             frontend_env["HOME"] = str(tmp_path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.service_processes import free_port
+
 STOP_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PrometheusServer:

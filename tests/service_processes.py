@@ -1,6 +1,7 @@
-"""Run the engine service as a subprocess on a free 127.0.0.1 port, and talk to it.
+"""The services as subprocesses on free 127.0.0.1 ports, for every test that runs them: the
+engine service (and how to talk to it) and the frontend, free ports, bounded waits.
 
-Every wait is bounded; `stop()` kills the service's whole process group (engines included).
+Every wait is bounded; `stop()` kills a service's whole process group (engines included).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 90.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -153,6 +154,38 @@ class ServiceProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
+
+
+class FrontendProcess(ServiceProcess):
+    """`python -m frontend_svc` in a session of its own, before `engines`; health, waits and
+    stop() as for the engine service."""
+
+    def __init__(self, engines: list[str], log_path: Path, *extra_args: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "frontend_svc", "--engine", *engines, "--host", "127.0.0.1",
+            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--engine-poll-interval", "0.2", *extra_args,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+
+def wait_all_serving(processes: list[ServiceProcess]) -> None:
+    """Started together, waited for together; on failure every process is stopped."""
+    try:
+        for process in processes:
+            process.wait_serving()
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
 
 
 def start_service(model_dir: Path, log_path: Path, *extra_args: str) -> ServiceProcess:
