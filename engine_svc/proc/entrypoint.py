@@ -1,5 +1,7 @@
 """The spawned engine process's main: build the core, run its loop, and on any failure send
-ENGINE_CORE_DEAD so clients fail their requests instead of waiting forever."""
+ENGINE_CORE_DEAD so clients fail their requests instead of waiting forever. The process that
+spawns it imports this module for the target's name only: the core, and torch with it, load
+in the engine process."""
 
 from __future__ import annotations
 
@@ -11,17 +13,15 @@ import signal
 import sys
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from engine_svc.config import EngineConfig
-from engine_svc.proc.engine_core_proc import EngineCoreProc
+from engine_svc.control_messages import EngineDead, ShutdownRequest
 from engine_svc.proc.engine_io import EngineIO
-from engine_svc.proc.wire import (
-    EngineDead,
-    OutputType,
-    RequestType,
-    ShutdownRequest,
-    decode_proc_args,
-)
+from engine_svc.proc.wire import OutputType, RequestType, decode_proc_args
+
+if TYPE_CHECKING:
+    from engine_svc.proc.engine_core_proc import EngineCoreProc
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ def run_engine_core(encoded_args: bytes) -> None:
     engine: EngineCoreProc | None = None
     exit_code = 0
     try:
+        from engine_svc.proc.engine_core_proc import EngineCoreProc
+
         engine = EngineCoreProc(_config_for_rank(args.config, args.engine_index), io)
         engine.run_busy_loop()
     except BaseException as error:
