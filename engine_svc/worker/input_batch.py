@@ -23,15 +23,38 @@ class RunnerRequestState:
     num_prompt_tokens: int
     token_ids: list[int]  # prompt and every sampled token, kept in step with the scheduler
     block_ids: list[int]
+    # The tokens that would end the request (its stop token ids, and EOS unless it ignores
+    # EOS): never sampled before it has min_tokens output tokens.
+    held_back_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def new(
+        cls,
+        sampling_params: SamplingParams,
+        num_prompt_tokens: int,
+        token_ids: list[int],
+        block_ids: list[int],
+        eos_token_ids: tuple[int, ...],
+    ) -> RunnerRequestState:
+        held_back: tuple[int, ...] = ()
+        if sampling_params.min_tokens:
+            ending = set(sampling_params.stop_token_ids)
+            if not sampling_params.ignore_eos:
+                ending.update(eos_token_ids)
+            held_back = tuple(sorted(ending))
+        return cls(sampling_params, num_prompt_tokens, token_ids, block_ids, held_back)
 
     def sampling_row(self) -> SamplingRow:
         n = self.num_prompt_tokens
+        output_index = len(self.token_ids) - n
         has_penalties = self.sampling_params.has_penalties
+        held_back = self.sampling_params.min_tokens > output_index
         return SamplingRow(
             params=self.sampling_params,
-            output_index=len(self.token_ids) - n,
+            output_index=output_index,
             prompt_token_ids=self.token_ids[:n] if has_penalties else [],
             output_token_ids=self.token_ids[n:] if has_penalties else [],
+            banned_token_ids=self.held_back_token_ids if held_back else (),
         )
 
 

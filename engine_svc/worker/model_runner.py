@@ -153,11 +153,12 @@ class ModelRunner:
         for entry in scheduler_output.scheduled:
             new = entry.new_request
             if new is not None:
-                self.states[entry.request_id] = RunnerRequestState(
+                self.states[entry.request_id] = RunnerRequestState.new(
                     sampling_params=new.sampling_params,
                     num_prompt_tokens=new.num_prompt_tokens,
                     token_ids=new.all_token_ids,  # the scheduler's snapshot, now ours
                     block_ids=list(entry.new_block_ids),
+                    eos_token_ids=self.spec.eos_token_ids,
                 )
             else:
                 self.states[entry.request_id].block_ids.extend(entry.new_block_ids)

@@ -4,8 +4,9 @@ Greedy rows take the argmax. Random rows go through temperature, top-k, top-p an
 then an exponential race (argmax of p / Exp(1) noise) that draws from the distribution. A
 seeded request draws its noise from a generator seeded by (seed, output index), so its
 tokens do not depend on what else is in the batch, on preemption, or on pipelining.
-Logprobs are those of the raw model output (before penalties and temperature), as vLLM's
-default.
+Until a request has min_tokens output tokens, the tokens that would end it are masked out.
+Logprobs are those of the raw model output (before masks, penalties and temperature), as
+vLLM's default.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class SamplingRow:
     output_index: int  # how many tokens the request produced before this one
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    banned_token_ids: tuple[int, ...] = ()  # masked out this step (min_tokens)
 
 
 class Sampler:
@@ -41,6 +43,8 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(r.banned_token_ids for r in rows):
+            logits = _mask_banned(logits, rows)
         if any(r.params.has_penalties for r in rows):
             logits = self._apply_penalties(logits, rows)
 
@@ -104,6 +108,16 @@ class Sampler:
         sampled = (probs / noise).max(dim=-1).indices
         is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=self.device)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Logits of -inf for each row's banned tokens (before penalties and temperature, as
+    vLLM's min_tokens processor), so no sampling method can pick them."""
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
+    return logits
 
 
 def _apply_top_k_top_p(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,44 @@ def test_penalties_turn_away_from_seen_tokens(penalty: dict[str, float]) -> None
     assert tokens == [5, 6]
 
 
+def test_banned_tokens_are_never_sampled() -> None:
+    logits = torch.zeros(3, 16)
+    logits[:, 7] = 50.0  # by far the most likely token in every row
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 0, [1], [], banned_token_ids=(7,)),
+        SamplingRow(SamplingParams(temperature=1.0, seed=3), 0, [1], [], banned_token_ids=(7,)),
+        SamplingRow(SamplingParams(temperature=0.0), 0, [1], []),
+    ]
+    for _ in range(20):
+        tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
+        assert tokens[0] != 7 and tokens[1] != 7 and tokens[2] == 7
+
+
+def test_min_tokens_masks_eos_until_reached(llm: LLM, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A prompt whose greedy output is EOS at once: with min_tokens, exactly min_tokens
+    tokens come out, none of them EOS (masked, not merely ignored when sampled)."""
+    prompt = _prompts(1, seed=11)[0]
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    # The same weights, with that first token declared the EOS.
+    model_dir = tmp_path / "eos-first"
+    model_dir.mkdir()
+    for path in tiny_model_dir.iterdir():
+        (model_dir / path.name).symlink_to(path)
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
+    eos_first = LLM(str(model_dir), max_model_len=256, num_kv_blocks=16)
+    ends = eos_first.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert (ends.token_ids, ends.finish_reason) == ([first], "stop")
+    held = SamplingParams(temperature=0, min_tokens=6, max_tokens=6, logprobs=1)
+    out = eos_first.generate([prompt], held)[0]
+    assert len(out.token_ids) == 6 and first not in out.token_ids
+    # The logprobs are the model's: EOS stays the top token where it was masked.
+    assert out.logprobs is not None and out.logprobs[0].top_token_ids == [first]
+    ignoring = SamplingParams(temperature=0, min_tokens=3, max_tokens=3, ignore_eos=True)
+    assert eos_first.generate([prompt], ignoring)[0].token_ids[0] == first
+    assert_kv_cache_clean(eos_first)
+
+
 def test_stop_token_ids_min_tokens_and_eos(llm: LLM) -> None:
     prompt = _prompts(1, seed=4)[0]
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
@@ -110,4 +149,5 @@ def test_stop_token_ids_min_tokens_and_eos(llm: LLM) -> None:
         ),
     )[0]
     assert len(held.token_ids) > first + 1
+    assert stop_at not in held.token_ids[: first + 2]  # masked, never sampled, until then
     assert free.finish_reason == "length" and len(free.token_ids) == 20
