@@ -1,6 +1,7 @@
 """`make run`: the engine service and the frontend as subprocesses on one machine. Waits until
 both report SERVING, prints one ready line with how to call the API, and stops both (frontend
-first) on Ctrl-C or SIGTERM, or when either exits."""
+first) on Ctrl-C or SIGTERM, or when either exits; if the launcher itself is killed, both
+services notice and stop themselves."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.parent_watch import parent_environment
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 STOP_TIMEOUT_S = 40.0  # the engine drains in-flight requests for up to 30 s by default
 
@@ -26,8 +29,9 @@ class Child:
         self.name = name
         self.address = address
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in
-        # order, and the engine's worker processes are killed with it if need be.
-        self.process = subprocess.Popen(command, start_new_session=True)
+        # order, and the engine's worker processes are killed with it if need be. The child
+        # watches the launcher and stops itself when the launcher is gone (kill -9 included).
+        self.process = subprocess.Popen(command, start_new_session=True, env=parent_environment())
 
     @property
     def exited(self) -> bool:

@@ -27,6 +27,7 @@ from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
 from shared.metrics.http_server import start_metrics_server
+from shared.parent_watch import stop_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
     resolver = AddressResolver(options.engines, pool.set_addresses, options.resolve_interval_s)
     stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     _on_stop_signals(stop)
+    stop_with_parent()  # started by `make run`: end when it ends, however it ends
     health_changed = pool.subscribe()
     tasks = [
         asyncio.create_task(resolver.run()),

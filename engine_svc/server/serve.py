@@ -20,6 +20,7 @@ from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
 from shared.metrics.grpc_server import GrpcServerMetrics
 from shared.metrics.http_server import start_metrics_server
+from shared.parent_watch import stop_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
     )
     stop_reason: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     _on_stop_signals(stop_reason)
+    stop_with_parent()  # started by `make run`: end when it ends, however it ends
     client.add_dead_callback(lambda error: _settle(stop_reason, "dead"))
     try:
         await set_serving(health_servicer, False)

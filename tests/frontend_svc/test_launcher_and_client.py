@@ -1,5 +1,6 @@
 """`make run`'s launcher with the tiny model: one ready line once both services serve, the
-command-line client answers (one-shot, streamed, chat), and Ctrl-C stops both services."""
+command-line client answers (one-shot, streamed, chat), Ctrl-C stops both services, and a
+launcher killed with -9 leaves no service behind."""
 
 from __future__ import annotations
 
@@ -21,6 +22,21 @@ def child_pids(pid: int) -> list[int]:
     with contextlib.suppress(FileNotFoundError):
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return []
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for child in child_pids(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    """Running, not merely a zombie its parent has yet to reap."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    return False
 
 
 def wait_ready_line(launcher: subprocess.Popen[str]) -> str:
@@ -47,14 +63,18 @@ def client(address: str, *args: str, stdin: str | None = None) -> subprocess.Com
     )
 
 
-def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir: Path) -> None:
-    port, engine_port = free_port(), free_port()
-    command = [sys.executable, "-m", "frontend_svc.launcher", "--model", str(tiny_model_dir),
+def start_launcher(model_dir: Path, port: int, engine_port: int) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "frontend_svc.launcher", "--model", str(model_dir),
                "--port", str(port), "--engine-port", str(engine_port),
                "--engine-arg=--num-kv-blocks=256"]  # fmt: skip
-    launcher = subprocess.Popen(
+    return subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
+
+
+def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir: Path) -> None:
+    port, engine_port = free_port(), free_port()
+    launcher = start_launcher(tiny_model_dir, port, engine_port)
     children: list[int] = []
     try:
         ready = wait_ready_line(launcher)
@@ -88,3 +108,28 @@ def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir:
         for pid in children:  # the services run in sessions of their own
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None:
+    port, engine_port = free_port(), free_port()
+    launcher = start_launcher(tiny_model_dir, port, engine_port)
+    processes: list[int] = []
+    try:
+        wait_ready_line(launcher)
+        processes = descendants(launcher.pid)  # both services and the engine core process
+        assert len(processes) >= 3
+        launcher.kill()
+        launcher.wait(timeout=10)
+        # Each service sees its launcher gone and stops as on SIGTERM (nothing to drain).
+        deadline = time.monotonic() + 60
+        while any(is_alive(pid) for pid in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in processes if is_alive(pid)] == []
+        assert not is_listening(port) and not is_listening(engine_port)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
