@@ -14,6 +14,8 @@ from shared.engine_load import RankLoad
 class UtilityMethod(enum.IntEnum):
     GET_LOAD = 0
     RESET_PREFIX_CACHE = 1
+    PAUSE = 2
+    RESUME = 3
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

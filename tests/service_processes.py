@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +106,53 @@ class ServiceProcess:
             )
         )
 
+    def pause(self) -> bool:
+        """Pause generation (PauseGeneration returns once no rank schedules any more).
+        True if some request is in the engine then: it gains no token until resume()."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+            stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+        return self.num_requests() > 0
+
+    def resume(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+            stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+
+    @contextlib.contextmanager
+    def paused(self, timeout_s: float = 30.0) -> Iterator[bool]:
+        """Generation paused for the block; yields pause()'s answer. On the way out, waits
+        until the engine holds no request (whatever the block did to end one reached it),
+        then resumes."""
+        try:
+            yield self.pause()
+            self.wait_idle(timeout_s)
+        finally:
+            self.resume()
+
+    def tokens_of_a_request_ended_while_paused(
+        self, end: Callable[[], bool], attempts: int = 3
+    ) -> int:
+        """The tokens this engine generated (its own count) for a request that `end` ends
+        while the engine is paused (a cancel, an abort, a client gone): `end()` starts the
+        request, and once it streams, ends it inside `paused()` and returns what that
+        yielded. A paused engine adds no token, so the count cannot run on to the request's
+        end before the abort arrives, however loaded the machine. A request already done
+        when the engine paused (the tiny model is quick) shows nothing and is tried again,
+        `attempts` times at most."""
+        for _ in range(attempts):
+            before = self.settled_generation_tokens()
+            if end():
+                return self.settled_generation_tokens() - before
+        raise AssertionError(f"the request was done before the engine paused, {attempts} times")
+
     def tokens_of_a_request_ended_early(
         self, end_early: Callable[[int], int], asked: int, attempts: int = 3
     ) -> int:
         """The tokens this engine generated (its own count) for a request of `asked` tokens
-        that `end_early` ends early (a cancel, an abort, a stop string, a client gone).
+        that something outside the engine ends early where the engine must keep generating
+        for it to happen: a stop string (the frontend must see it), a client gone from smg
+        (the gateway notices a closed connection at its next write, so never while paused).
         `end_early(count_before)` ends it and returns the engine's progress then,
         `generation_tokens_total() - count_before`. On a loaded machine the tiny model can be
         done before the end reaches it: such a reading (past half-way) shows nothing about

@@ -228,6 +228,13 @@ class AsyncMPClient:
         results = await self._call_all(UtilityMethod.RESET_PREFIX_CACHE)
         return all(bool(r) for r in results)
 
+    async def pause_async(self) -> None:
+        """Returns once every rank has stopped scheduling."""
+        await self._call_all(UtilityMethod.PAUSE)
+
+    async def resume_async(self) -> None:
+        await self._call_all(UtilityMethod.RESUME)
+
     async def get_loads_async(self) -> list[RankLoad]:
         results = await self._call_all(UtilityMethod.GET_LOAD)
         return [r for r in results if isinstance(r, RankLoad)]

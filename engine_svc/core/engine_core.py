@@ -88,6 +88,7 @@ class EngineCore:
         )
         self._aborts_in_flight: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._paused = False
 
     # ---- start-up --------------------------------------------------------------------
 
@@ -164,14 +165,31 @@ class EngineCore:
         """During a forward: remember the aborts and apply them once it returns."""
         self._aborts_in_flight.extend(request_ids)
 
+    def pause(self) -> bool:
+        """Stop scheduling after the step in progress; requests stay where they are, and
+        new requests and aborts are still taken in (vLLM's pause_generation)."""
+        self._paused = True
+        return True
+
+    def resume(self) -> bool:
+        self._paused = False
+        return True
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
     # ---- stepping --------------------------------------------------------------------
+
+    def _can_schedule(self) -> bool:
+        return not self._paused and self.scheduler.has_requests()
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self._pending_outputs)
 
     def step(self) -> tuple[EngineCoreOutputs, bool]:
         """One iteration. Returns the outputs and whether a forward ran."""
-        if not self.scheduler.has_requests():
+        if not self._can_schedule():
             self._flush_freed_requests()
             return self._collect([]), False
         scheduler_output = self.scheduler.schedule()
@@ -185,7 +203,7 @@ class EngineCore:
         """Fill the queue of in-flight batches first; collect the oldest when it is full or
         nothing more can be scheduled."""
         queue = self.batch_queue
-        if len(queue) < self.executor.max_concurrent_batches and self.scheduler.has_requests():
+        if len(queue) < self.executor.max_concurrent_batches and self._can_schedule():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 queue.appendleft((self.executor.execute_model(scheduler_output), scheduler_output))
@@ -196,7 +214,7 @@ class EngineCore:
                 self.executor.execute_model(scheduler_output)
         if not queue:
             self._flush_freed_requests()
-            if self.scheduler.has_requests():
+            if self._can_schedule():
                 time.sleep(0.001)  # waiting on something else: release the GIL, do not spin
             return self._collect([]), False
         future, scheduler_output = queue.pop()

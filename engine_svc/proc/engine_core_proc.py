@@ -68,11 +68,18 @@ class EngineCoreProc(EngineCore):
     def _has_unfinished(self) -> bool:
         return self.has_work() or bool(self.batch_queue)
 
+    def _nothing_to_step(self) -> bool:
+        if self._deferred or self.is_shutting_down:
+            return False
+        if self.is_paused:  # only outputs to send and batches to collect
+            return not (self._pending_outputs or self.batch_queue)
+        return not self._has_unfinished()
+
     # ---- input -----------------------------------------------------------------------
 
     def _process_input_queue(self) -> None:
-        if not (self._has_unfinished() or self._deferred or self.is_shutting_down):
-            # Nothing to step: sleep on the queue instead of spinning a core.
+        if self._nothing_to_step():
+            # Sleep on the queue instead of spinning a core.
             self._handle(*self.io.input_queue.get())
         deferred, self._deferred = self._deferred, []
         for item in deferred:
@@ -92,12 +99,17 @@ class EngineCoreProc(EngineCore):
         super().overlap_forward(scheduler_output)
 
     def _take_in_during_forward(self) -> None:
+        """Inputs keep their order: once one waits for the step's end (a shutdown, a
+        utility call), every later one waits behind it, so nothing sent after a SHUTDOWN
+        is admitted."""
         while True:
             try:
                 request_type, payload = self.io.input_queue.get_nowait()
             except queue.Empty:
                 return
-            if request_type == RequestType.ADD and isinstance(payload, EngineCoreRequest):
+            if self._deferred:
+                self._deferred.append((request_type, payload))
+            elif request_type == RequestType.ADD and isinstance(payload, EngineCoreRequest):
                 self._add(payload)
             elif request_type == RequestType.ABORT and isinstance(payload, list):
                 self.abort_requests_in_flight(payload)
@@ -156,6 +168,10 @@ class EngineCoreProc(EngineCore):
     def _run_utility(self, method: UtilityMethod) -> RankLoad | bool:
         if method == UtilityMethod.RESET_PREFIX_CACHE:
             return self.reset_prefix_cache()
+        if method == UtilityMethod.PAUSE:
+            return self.pause()
+        if method == UtilityMethod.RESUME:
+            return self.resume()
         scheduler = self.scheduler
         pool = scheduler.kv_cache.pool
         return RankLoad(
@@ -172,6 +188,7 @@ class EngineCoreProc(EngineCore):
         if self._shutdown_deadline is not None:
             deadline = min(deadline, self._shutdown_deadline)
         self._shutdown_deadline = deadline
+        self.resume()  # a paused engine could never drain
         mode = "abort" if timeout_s <= 0 else f"drain (up to {timeout_s:g} s)"
         logger.info("engine core %d shutting down: %s", self.io.engine_index, mode)
 

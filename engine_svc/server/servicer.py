@@ -64,6 +64,20 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
                 yield pb.GetTokenizerResponse(file_name=path.name, data=chunk, file_size=size)
 
     @unary_errors
+    async def PauseGeneration(
+        self, request: pb.PauseGenerationRequest, context: Context
+    ) -> pb.PauseGenerationResponse:
+        await self.client.pause_async()
+        return pb.PauseGenerationResponse()
+
+    @unary_errors
+    async def ResumeGeneration(
+        self, request: pb.ResumeGenerationRequest, context: Context
+    ) -> pb.ResumeGenerationResponse:
+        await self.client.resume_async()
+        return pb.ResumeGenerationResponse()
+
+    @unary_errors
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: Context
     ) -> pb.ResetPrefixCacheResponse:

@@ -192,25 +192,26 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
 def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> None:
     engine = services.engine
 
-    async def cancelled(before: int) -> int:
+    async def cancelled() -> bool:
         async with grpc.aio.insecure_channel(services.frontend.address) as channel:
             request = pb.GenerateRequest(
                 prompt="Cancel me", sampling_params=greedy(LONG_REQUEST_TOKENS, ignore_eos=True)
             )
             call = frontend_stub(channel).GenerateStream(request)
-            # Cancelled once the engine generates for it, not at a message read: on a loaded
-            # machine the client's reading can trail the tiny model's engine to the end.
             deadline = asyncio.get_running_loop().time() + 30
             while await asyncio.to_thread(engine.num_requests) == 0:
                 assert asyncio.get_running_loop().time() < deadline, "never reached the engine"
                 await asyncio.sleep(0.01)
-            progress = await engine_progress(engine, before)
+            # Paused, the engine cannot finish the request before the cancel reaches it.
+            in_engine = await asyncio.to_thread(engine.pause)
             call.cancel()
-        return progress
+            try:
+                await asyncio.to_thread(engine.wait_idle, 30.0)
+            finally:
+                await asyncio.to_thread(engine.resume)
+        return in_engine
 
-    generated = engine.tokens_of_a_request_ended_early(
-        lambda before: run_async(lambda: cancelled(before)), LONG_REQUEST_TOKENS
-    )
+    generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(cancelled))
     assert generated < LONG_REQUEST_TOKENS, "the engine did not abort the cancelled request"
 
 

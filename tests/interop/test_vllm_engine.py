@@ -68,18 +68,18 @@ def test_abort_ends_the_stream_as_aborted(
 ) -> None:
     lasts: list[vpb.GenerateResponse] = []
 
-    def abort_after_first_chunk(before: int) -> int:
+    def abort_after_first_chunk() -> bool:
         request_id = f"to-abort-{len(lasts)}"
         responses = stub.Generate(
             generate_request(request_id, 900, True, ignore_eos=True), timeout=60
         )
         assert next(responses).WhichOneof("response") == "chunk"
-        progress = engine.generation_tokens_total() - before
-        stub.Abort(vpb.AbortRequest(request_ids=[request_id]), timeout=5)
+        with engine.paused() as in_engine:
+            stub.Abort(vpb.AbortRequest(request_ids=[request_id]), timeout=5)
         lasts.append(list(responses)[-1])
-        return progress
+        return in_engine
 
-    generated = engine.tokens_of_a_request_ended_early(abort_after_first_chunk, 900)
+    generated = engine.tokens_of_a_request_ended_while_paused(abort_after_first_chunk)
     last = lasts[-1]
     assert last.complete.finish_reason == "abort"
     assert last.complete.completion_tokens < 900 and generated < 900
@@ -88,15 +88,15 @@ def test_abort_ends_the_stream_as_aborted(
 def test_cancelling_the_call_aborts_the_request(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:
-    def cancel_after_first_chunk(before: int) -> int:
+    def cancel_after_first_chunk() -> bool:
         call = stub.Generate(generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60)
         next(call)
-        progress = engine.generation_tokens_total() - before
-        call.cancel()
-        return progress
+        with engine.paused() as in_engine:
+            call.cancel()
+        return in_engine
 
     # The engine's own count: it aborted the request before the 900 tokens it asked for.
-    generated = engine.tokens_of_a_request_ended_early(cancel_after_first_chunk, 900)
+    generated = engine.tokens_of_a_request_ended_while_paused(cancel_after_first_chunk)
     assert generated < 900, "the engine did not abort the cancelled request"
 
 
