@@ -40,19 +40,20 @@ def free_port() -> int:
 
 class ServiceProcess:
     def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+        self._start(log_path, "engine_svc", "--model", str(model_dir),
+                    "--num-kv-blocks", "256", "--log-level", "INFO", *extra_args)  # fmt: skip
+
+    def _start(self, log_path: Path, module: str, *args: str) -> None:
+        """`python -m module` on free 127.0.0.1 ports (its API and its metrics), in a
+        session of its own so that teardown can kill the engines with the server."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
-        command = [
-            sys.executable, "-m", "engine_svc", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--metrics-port", str(self.metrics_port), "--num-kv-blocks", "256",
-            "--log-level", "INFO", *extra_args,
-        ]  # fmt: skip
+        command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--metrics-port", str(self.metrics_port), *args]  # fmt: skip
         with log_path.open("wb") as log:
-            # A session of its own, so teardown can kill the engines with the server.
             self.process = subprocess.Popen(
                 command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -203,20 +204,8 @@ class FrontendProcess(ServiceProcess):
     stop() as for the engine service."""
 
     def __init__(self, engines: list[str], log_path: Path, *extra_args: str) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.metrics_port = free_port()
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        self.log_path = log_path
-        command = [
-            sys.executable, "-m", "frontend_svc", "--engine", *engines, "--host", "127.0.0.1",
-            "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-            "--engine-poll-interval", "0.2", *extra_args,
-        ]  # fmt: skip
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self._start(log_path, "frontend_svc", "--engine", *engines,
+                    "--engine-poll-interval", "0.2", *extra_args)  # fmt: skip
 
 
 def wait_all_serving(processes: list[ServiceProcess]) -> None:

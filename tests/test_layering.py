@@ -151,11 +151,7 @@ def test_importing_loads_no_torch(modules: list[str]) -> None:
         "    importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[]"
+    assert _run_python(code) == "[]"
 
 
 def test_the_frontends_tokenizer_loads_no_torch(tiny_model_dir: Path) -> None:
@@ -170,8 +166,13 @@ def test_the_frontends_tokenizer_loads_no_torch(tiny_model_dir: Path) -> None:
         "assert tokenizer.decode(ids, skip_special_tokens=False)\n"
         "print('torch' in sys.modules)\n"
     )
+    assert _run_python(code) == "False"
+
+
+def _run_python(code: str) -> str:
+    """What `code` prints, run in a fresh interpreter (nothing imported yet)."""
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "False"
+    return done.stdout.strip()
