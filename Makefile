@@ -112,7 +112,7 @@ run-frontend: $(GEN_STAMP)
 	$(PY) -m frontend_svc $(ARGS)
 
 bench: $(GEN_STAMP) $(KERNEL_STAMP)
-	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)"
+	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(TOOLS_VENV) gen .pytest_cache .mypy_cache .ruff_cache
