@@ -12,6 +12,8 @@ from engine_svc.config import EngineConfig
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
 from engine_svc.server.serve import ServiceOptions, serve
 from shared.errors import InvalidRequestError
+from shared.grpc_auth import AuthConfigError, TokenSet
+from shared.grpc_tls import TLSConfigError, add_server_arguments, server_tls
 
 GiB = 1 << 30
 
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest gRPC message accepted or sent (default: %(default)s)",
     )
+    add(
+        "--auth-token-file",
+        type=Path,
+        help="require `authorization: Bearer TOKEN` on every call but health and reflection, "
+        "TOKEN one of this file's lines (re-read when it changes) (default: none)",
+    )
+    add_server_arguments(parser)
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     # Test hook: the forward pass raises after this many steps.
     add("--fail-after-steps", type=int, help=argparse.SUPPRESS)
@@ -119,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         config = engine_config(args, model_dir)
     except InvalidRequestError as error:
         parser.error(f"--{error.field.replace('_', '-')}: {error.message}")
+    try:
+        auth_tokens = None if args.auth_token_file is None else TokenSet(args.auth_token_file)
+        tls = server_tls(args)
+    except (OSError, AuthConfigError, TLSConfigError) as error:
+        parser.error(str(error))
     options = ServiceOptions(
         model_name=args.served_model_name or Path(model_dir).name,
         host=args.host,
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         max_message_bytes=args.max_message_bytes,
         log_level=args.log_level,
+        auth_tokens=auth_tokens,
+        tls=tls,
     )
     return asyncio.run(serve(config, options))
 

@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
 from frontend_svc.engines.resolver import parse_target
 from frontend_svc.serve import FrontendOptions, serve
 from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
+from shared.grpc_auth import AuthConfigError, TokenSet, read_client_token
+from shared.grpc_tls import (
+    TLSConfigError,
+    add_client_arguments,
+    add_server_arguments,
+    client_tls,
+    server_tls,
+)
+
+AUTH_TOKENS_ENV = "DUOSERVE_AUTH_TOKENS"
+ENGINE_AUTH_TOKEN_ENV = "DUOSERVE_ENGINE_AUTH_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for a tokenizer")
     add("--shutdown-grace", type=float, default=10.0, help="seconds for in-flight calls on stop")
     add("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    add(
+        "--auth-token-file",
+        type=Path,
+        help="require `authorization: Bearer TOKEN` on every call but health and reflection, "
+        f"TOKEN one of this file's lines (re-read when it changes); or set {AUTH_TOKENS_ENV} "
+        "to comma-separated tokens (default: no authentication)",
+    )
+    add(
+        "--engine-auth-token-file",
+        type=Path,
+        help="send the first line of this file as the bearer token to the engines "
+        f"(or set {ENGINE_AUTH_TOKEN_ENV}; default: none)",
+    )
+    add_server_arguments(parser)
+    add_client_arguments(parser, "--engine-tls", "the engines")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -66,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-waiting-requests must be >= 0")
     if args.tokenizer is not None and not args.tokenizer.is_dir():
         parser.error(f"--tokenizer: {args.tokenizer} is not a directory")
+    try:
+        auth_tokens = TokenSet.from_options(args.auth_token_file, os.environ, AUTH_TOKENS_ENV)
+        engine_token = read_client_token(
+            args.engine_auth_token_file, os.environ, ENGINE_AUTH_TOKEN_ENV
+        )
+        tls = server_tls(args)
+        engine_tls = client_tls(args, "--engine-tls")
+    except (OSError, AuthConfigError, TLSConfigError) as error:
+        parser.error(str(error))
     options = FrontendOptions(
         engines=engines,
         host=args.host,
@@ -78,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         shutdown_grace_s=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes,
+        auth_tokens=auth_tokens,
+        engine_auth_token=engine_token,
+        tls=tls,
+        engine_tls=engine_tls,
     )
     return asyncio.run(serve(options))
 

@@ -5,13 +5,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 
 from shared.frontend_protos import frontend_pb2 as pb
 from shared.frontend_protos import frontend_pb2_grpc
+from shared.grpc_auth import AuthConfigError, call_metadata, read_client_token
+from shared.grpc_tls import TLSConfigError, add_client_arguments, client_tls
+
+AUTH_TOKEN_ENV = "DUOSERVE_AUTH_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n", type=int, default=1, help="completions (default: %(default)s)")
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
     add("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
+    add(
+        "--auth-token-file",
+        type=Path,
+        help=f"send the first line as the bearer token (or set {AUTH_TOKEN_ENV}; default: none)",
+    )
+    add_client_arguments(parser, "--tls", "the frontend")
     return parser
 
 
@@ -92,9 +104,11 @@ def generate(
     request: pb.GenerateRequest,
     args: argparse.Namespace,
 ) -> str:
+    metadata = call_metadata(args.auth_token)
     if args.stream:
-        return print_streamed(stub.GenerateStream(request, timeout=args.timeout), args.n)
-    return print_unary(stub.Generate(request, timeout=args.timeout))
+        stream = stub.GenerateStream(request, timeout=args.timeout, metadata=metadata)
+        return print_streamed(stream, args.n)
+    return print_unary(stub.Generate(request, timeout=args.timeout, metadata=metadata))
 
 
 def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
@@ -133,9 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a prompt, or --chat")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
+    try:
+        args.auth_token = read_client_token(args.auth_token_file, os.environ, AUTH_TOKEN_ENV)
+        tls = client_tls(args, "--tls")
+    except (OSError, AuthConfigError, TLSConfigError) as error:
+        parser.error(str(error))
     if args.chat:
         args.stream = args.stream or args.n == 1  # a conversation reads best as it arrives
-    with grpc.insecure_channel(args.address) as channel:
+    channel = (
+        grpc.insecure_channel(args.address)
+        if tls is None
+        else grpc.secure_channel(args.address, tls.credentials())
+    )
+    with channel:
         stub = frontend_pb2_grpc.GenerationServiceStub(channel)
         try:
             if args.chat:

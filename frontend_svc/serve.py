@@ -26,6 +26,8 @@ from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set
 from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
+from shared.grpc_auth import TokenSet, server_interceptors
+from shared.grpc_tls import ClientTLS, ServerTLS
 from shared.metrics.http_server import start_metrics_server
 from shared.parent_watch import stop_with_parent
 
@@ -45,6 +47,10 @@ class FrontendOptions:
     startup_timeout_s: float = 600.0
     shutdown_grace_s: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    auth_tokens: TokenSet | None = None  # None: no authentication
+    engine_auth_token: str = ""  # sent to the engines ("": none)
+    tls: ServerTLS | None = None  # None: plaintext
+    engine_tls: ClientTLS | None = None  # None: plaintext to the engines
 
 
 async def serve(options: FrontendOptions) -> int:
@@ -60,7 +66,10 @@ async def serve(options: FrontendOptions) -> int:
 
 async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
     pool = EnginePool(
-        _endpoint_factory(options.engine_poll_interval_s), options.max_waiting_requests
+        _endpoint_factory(
+            options.engine_poll_interval_s, options.engine_auth_token, options.engine_tls
+        ),
+        options.max_waiting_requests,
     )
     frontend = Frontend(pool, metrics=metrics)
     server, health_servicer = build_server(
@@ -68,7 +77,8 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
         options.host,
         options.port,
         options.max_message_bytes,
-        interceptors=[metrics.grpc_interceptor],
+        interceptors=server_interceptors(metrics.grpc_interceptor, options.auth_tokens),
+        tls=options.tls,
     )
     resolver = AddressResolver(options.engines, pool.set_addresses, options.resolve_interval_s)
     stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -107,9 +117,11 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
 
 
 def _endpoint_factory(
-    poll_interval_s: float,
+    poll_interval_s: float, auth_token: str, tls: ClientTLS | None
 ) -> Callable[[str, Callable[[], None]], EngineEndpoint]:
-    return lambda address, on_change: EngineEndpoint(address, poll_interval_s, on_change)
+    return lambda address, on_change: EngineEndpoint(
+        address, poll_interval_s, on_change, auth_token, tls
+    )
 
 
 async def _load_tokenizer(pool: EnginePool, options: FrontendOptions) -> Tokenizer:

@@ -8,6 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.grpc_tls import ServerTLS
+
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
@@ -18,9 +20,11 @@ def build_grpc_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: ServerTLS | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A server with the services `register` adds, bound but not started, and its health
-    servicer (NOT_SERVING until told). Reflection lists `service_names` and health."""
+    servicer (NOT_SERVING until told). Reflection lists `service_names` and health. With
+    `tls`, the port serves TLS only."""
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -37,7 +41,13 @@ def build_grpc_server(
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if tls is None
+        else server.add_secure_port(address, tls.credentials())
+    )
+    if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return server, health_servicer
 

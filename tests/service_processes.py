@@ -39,9 +39,17 @@ def free_port() -> int:
 
 
 class ServiceProcess:
+    # How the helpers below reach the service: plaintext unless a test serves TLS.
+    credentials: grpc.ChannelCredentials | None = None
+
     def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
         self._start(log_path, "engine_svc", "--model", str(model_dir),
                     "--num-kv-blocks", "256", "--log-level", "INFO", *extra_args)  # fmt: skip
+
+    def channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.credentials)
 
     def _start(self, log_path: Path, module: str, *args: str) -> None:
         """`python -m module` on free 127.0.0.1 ports (its API and its metrics), in a
@@ -62,7 +70,7 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def health(self, timeout_s: float = 2.0) -> int:
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status)
 
@@ -88,7 +96,7 @@ class ServiceProcess:
 
     def num_requests(self) -> int:
         """Requests running or waiting in the engine, over every rank."""
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             loads = engine_pb2_grpc.EngineCoreServiceStub(channel).GetLoads(
                 pb.GetLoadsRequest(), timeout=5
             )
@@ -96,27 +104,29 @@ class ServiceProcess:
 
     def generation_tokens_total(self) -> int:
         """The engine's own count of tokens it generated (vllm:generation_tokens_total)."""
+        return int(self.metric_total("vllm:generation_tokens_total"))
+
+    def metric_total(self, name: str, **labels: str) -> float:
+        """The sum of the service's samples named `name` with these label values."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        return int(
-            sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == "vllm:generation_tokens_total"
-            )
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
         )
 
     def pause(self) -> bool:
         """Pause generation (PauseGeneration returns once no rank schedules any more).
         True if some request is in the engine then: it gains no token until resume()."""
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
             stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
         return self.num_requests() > 0
 
     def resume(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
             stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
 

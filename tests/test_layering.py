@@ -30,6 +30,8 @@ EDGES = (
     "frontend_svc.serve",
     "shared.protos",
     "shared.frontend_protos",
+    "shared.grpc_auth",
+    "shared.grpc_tls",
     "shared.grpc_errors",
     "shared.grpc_server",
     "shared.metrics.grpc_server",

@@ -18,6 +18,8 @@ from engine_svc.config import EngineConfig
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
 from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
+from shared.grpc_auth import TokenSet, server_interceptors
+from shared.grpc_tls import ServerTLS
 from shared.metrics.grpc_server import GrpcServerMetrics
 from shared.metrics.http_server import start_metrics_server
 from shared.parent_watch import stop_with_parent
@@ -44,6 +46,8 @@ class ServiceOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
+    auth_tokens: TokenSet | None = None  # None: no authentication
+    tls: ServerTLS | None = None  # None: plaintext
 
 
 async def serve(config: EngineConfig, options: ServiceOptions) -> int:
@@ -67,7 +71,8 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
         options.host,
         options.port,
         options.max_message_bytes,
-        interceptors=[GrpcServerMetrics(registry)],
+        interceptors=server_interceptors(GrpcServerMetrics(registry), options.auth_tokens),
+        tls=options.tls,
     )
     stop_reason: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     _on_stop_signals(stop_reason)

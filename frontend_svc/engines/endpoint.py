@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from frontend_svc.engines.convert import to_engine_load, to_model_info
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
+from shared.grpc_auth import client_interceptors
+from shared.grpc_tls import ClientTLS
 from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,11 +35,27 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class EngineEndpoint:
-    def __init__(self, address: str, poll_interval_s: float, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        poll_interval_s: float,
+        on_change: Callable[[], None],
+        auth_token: str = "",
+        tls: ClientTLS | None = None,
+    ) -> None:
         self.address = address
         self.poll_interval_s = poll_interval_s
         self.on_change = on_change
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # With a token, every call carries it (the engine may require one).
+        interceptors = client_interceptors(auth_token) if auth_token else None
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:
+            self.channel = grpc.aio.secure_channel(
+                address, tls.credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
         self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.is_serving = False

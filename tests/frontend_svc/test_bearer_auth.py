@@ -1,0 +1,138 @@
+"""Bearer-token authentication on both services, as subprocesses with the tiny model: the
+engine requires a token, and the frontend sends one (its tokenizer fetch and load polls
+included); the frontend requires its own, re-read when the file is rewritten. Calls
+without a valid token get UNAUTHENTICATED and are counted in the metrics; health and
+reflection stay open to probes and grpcurl."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.frontend_protos import frontend_pb2 as fpb
+from shared.frontend_protos import frontend_pb2_grpc
+from shared.protos import engine_pb2 as epb
+from shared.protos import engine_pb2_grpc
+from tests.frontend_svc.frontend_helpers import greedy
+from tests.interop.test_grpcurl import grpcurl
+from tests.service_processes import (
+    REPO_ROOT,
+    SERVING,
+    FrontendProcess,
+    ServiceProcess,
+    wait_all_serving,
+)
+
+
+class Secured:
+    def __init__(self, engine: ServiceProcess, frontend: FrontendProcess, tokens: Path):
+        self.engine = engine
+        self.frontend = frontend
+        self.frontend_tokens = tokens
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    folder = tmp_path_factory.mktemp("bearer-auth")
+    (folder / "engine-tokens").write_text("engine-old\nengine-token\n")
+    (folder / "frontend-to-engine").write_text("engine-token\n")
+    (folder / "frontend-tokens").write_text("alpha\n")
+    engine = ServiceProcess(
+        tiny_model_dir, folder / "engine.log", "--auth-token-file", str(folder / "engine-tokens")
+    )
+    frontend = FrontendProcess(
+        [engine.address], folder / "frontend.log",
+        "--auth-token-file", str(folder / "frontend-tokens"),
+        "--engine-auth-token-file", str(folder / "frontend-to-engine"),
+    )  # fmt: skip
+    wait_all_serving([engine, frontend])  # SERVING needs the tokenizer, fetched with a token
+    yield Secured(engine, frontend, folder / "frontend-tokens")
+    frontend.stop()
+    engine.stop()
+
+
+def _generate(address: str, token: str | None) -> grpc.StatusCode:
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    request = fpb.GenerateRequest(prompt="Hello", sampling_params=greedy(4))
+    with grpc.insecure_channel(address) as channel:
+        stub = frontend_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            stub.Generate(request, timeout=60, metadata=metadata)
+            list(stub.GenerateStream(request, timeout=60, metadata=metadata))
+        except grpc.RpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+def _refused(service: ServiceProcess) -> float:
+    return service.metric_total("grpc_server_handled_total", grpc_code="Unauthenticated")
+
+
+def test_the_frontend_serves_a_valid_token_only(secured: Secured) -> None:
+    address = secured.frontend.address
+    refused_before = _refused(secured.frontend)
+    assert _generate(address, "alpha") == grpc.StatusCode.OK  # and the engine took its token
+    assert _generate(address, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert _generate(address, "alphax") == grpc.StatusCode.UNAUTHENTICATED
+    assert _generate(address, "engine-token") == grpc.StatusCode.UNAUTHENTICATED
+    assert _refused(secured.frontend) - refused_before == 3
+
+
+def test_rewriting_the_token_file_rotates_the_tokens(secured: Secured) -> None:
+    address = secured.frontend.address
+    fresh = secured.frontend_tokens.with_suffix(".new")
+    try:
+        fresh.write_text("alpha\nbeta\n")  # both valid while clients move over
+        fresh.replace(secured.frontend_tokens)
+        assert _generate(address, "beta") == grpc.StatusCode.OK
+        assert _generate(address, "alpha") == grpc.StatusCode.OK
+        fresh.write_text("beta\n")
+        fresh.replace(secured.frontend_tokens)
+        assert _generate(address, "alpha") == grpc.StatusCode.UNAUTHENTICATED
+        assert _generate(address, "beta") == grpc.StatusCode.OK
+    finally:
+        secured.frontend_tokens.write_text("alpha\n")
+
+
+def test_the_engine_refuses_calls_without_its_token(secured: Secured) -> None:
+    with grpc.insecure_channel(secured.engine.address) as channel:
+        stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.GetModelInfo(epb.GetModelInfoRequest(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.GetTokenizer(epb.GetTokenizerRequest(), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        metadata = (("authorization", "Bearer engine-old"),)  # any line of its file
+        info = stub.GetModelInfo(epb.GetModelInfoRequest(), timeout=10, metadata=metadata)
+        assert info.max_model_len > 0
+
+
+def test_health_and_reflection_need_no_token(secured: Secured) -> None:
+    for address in (secured.frontend.address, secured.engine.address):
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
+    services = grpcurl(secured.frontend.address, "list")
+    assert "frontend.v1.GenerationService" in services
+
+
+def test_the_command_line_client_sends_its_token(secured: Secured, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("alpha\n")
+
+    def client(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "frontend_svc.client", "--address",
+                   secured.frontend.address, "Hello", "--max-tokens", "4", *args]  # fmt: skip
+        return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    with_token = client("--auth-token-file", str(token_file))
+    assert with_token.returncode == 0, with_token.stderr
+    without = client()
+    assert without.returncode == 1 and "UNAUTHENTICATED" in without.stderr
