@@ -51,15 +51,19 @@ class ServiceProcess:
             return grpc.insecure_channel(self.address)
         return grpc.secure_channel(self.address, self.credentials)
 
-    def _start(self, log_path: Path, module: str, *args: str) -> None:
+    def _start(
+        self, log_path: Path, module: str, *args: str, host: str | None = "127.0.0.1"
+    ) -> None:
         """`python -m module` on free 127.0.0.1 ports (its API and its metrics), in a
-        session of its own so that teardown can kill the engines with the server."""
+        session of its own so that teardown can kill the engines with the server. With
+        `host` None, no --host: the service binds its default."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.log_path = log_path
-        command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
+        bind = [] if host is None else ["--host", host]
+        command = [sys.executable, "-m", module, *bind, "--port", str(self.port),
                    "--metrics-port", str(self.metrics_port), *args]  # fmt: skip
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
