@@ -1,0 +1,215 @@
+"""Faults with both services as subprocesses and the tiny model, each test on services of its
+own: a frontend killed mid-stream, a hundred streams cancelled at random points, SIGTERM to
+the engine or to the frontend while 32 streams run, and a 200 ms deadline. Afterwards the
+engine holds no request and every KV block is free; every stream ended with all its tokens or
+with a clear status, none silently. Where a race with the tiny model's speed would decide the
+outcome, the engine is paused (PauseGeneration) so the fault lands while requests are in it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shared.frontend_protos import frontend_pb2 as fpb
+from shared.protos import engine_pb2 as epb
+from shared.protos import engine_pb2_grpc
+from tests.frontend_svc.frontend_helpers import frontend_stub, greedy
+from tests.service_processes import FrontendProcess, ServiceProcess, run_async, wait_all_serving
+
+CLEAR_ENDS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
+@dataclasses.dataclass
+class Services:
+    engine: ServiceProcess
+    frontend: FrontendProcess
+
+
+@dataclasses.dataclass
+class Outcome:
+    code: grpc.StatusCode | None = None  # None: the stream ended normally
+    finish_reason: int = 0
+    num_tokens: int = 0
+
+
+@pytest.fixture
+def start(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Services]]:
+    started: list[ServiceProcess] = []
+
+    def start_services(*frontend_args: str) -> Services:
+        engine = ServiceProcess(tiny_model_dir, tmp_path / "engine.log")
+        frontend = FrontendProcess([engine.address], tmp_path / "frontend.log", *frontend_args)
+        started.extend([frontend, engine])
+        wait_all_serving([engine, frontend])
+        return Services(engine, frontend)
+
+    yield start_services
+    for process in started:
+        process.stop()
+
+
+def _kv_usage(engine: ServiceProcess) -> list[float]:
+    with engine.channel() as channel:
+        loads = engine_pb2_grpc.EngineCoreServiceStub(channel).GetLoads(
+            epb.GetLoadsRequest(), timeout=5
+        )
+    return [load.kv_cache_usage for load in loads.loads]
+
+
+def _request(num_tokens: int, name: str) -> fpb.GenerateRequest:
+    params = greedy(num_tokens, ignore_eos=True)
+    return fpb.GenerateRequest(request_id=name, prompt=f"Fault {name}", sampling_params=params)
+
+
+async def _consume(call: grpc.aio.UnaryStreamCall, outcome: Outcome, stop_after: int = -1) -> None:
+    """Read a stream into `outcome`; cancel it after `stop_after` messages (-1: never)."""
+    received = 0
+    try:
+        async for response in call:
+            for choice in response.choices:
+                outcome.num_tokens += len(choice.token_ids)
+                outcome.finish_reason = choice.finish_reason or outcome.finish_reason
+            received += 1
+            if received == stop_after:
+                call.cancel()
+                outcome.code = grpc.StatusCode.CANCELLED
+                return
+    except grpc.aio.AioRpcError as error:
+        outcome.code = error.code()
+    except asyncio.CancelledError:
+        outcome.code = grpc.StatusCode.CANCELLED
+
+
+async def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert asyncio.get_running_loop().time() < deadline, f"{what} within {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
+async def _streams_paused_in_the_engine(
+    channel: grpc.aio.Channel, engine: ServiceProcess, count: int, num_tokens: int
+) -> tuple[list[Outcome], list[asyncio.Task[None]]]:
+    """`count` streams through the frontend, read into outcomes by tasks; returns once all
+    are in the engine and it is paused, so none can finish until it resumes."""
+    stub = frontend_stub(channel)
+    outcomes = [Outcome() for _ in range(count)]
+    tasks = [
+        asyncio.create_task(_consume(stub.GenerateStream(_request(num_tokens, f"s{i}")), o))
+        for i, o in enumerate(outcomes)
+    ]
+    await _wait_for(lambda: engine.num_requests() == count, f"all {count} in the engine")
+    assert await asyncio.to_thread(engine.pause)
+    return outcomes, tasks
+
+
+def test_a_frontend_killed_mid_stream_leaves_the_engine_nothing(
+    start: Callable[..., Services],
+) -> None:
+    services = start()
+    engine = services.engine
+
+    async def body() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            outcomes, tasks = await _streams_paused_in_the_engine(channel, engine, 8, 900)
+            try:
+                services.frontend.stop()  # SIGKILL
+                await _wait_for(lambda: engine.num_requests() == 0, "the engine aborted all 8")
+            finally:
+                await asyncio.to_thread(engine.resume)
+            await asyncio.gather(*tasks)
+            return outcomes
+
+    outcomes = run_async(body, timeout_s=120)
+    assert {o.code for o in outcomes} == {grpc.StatusCode.UNAVAILABLE}
+    assert _kv_usage(engine) == [0.0]
+
+
+def test_a_hundred_streams_cancelled_at_random_points_free_everything(
+    start: Callable[..., Services],
+) -> None:
+    services = start()
+    rng = random.Random(1234)
+    plans = [(rng.randint(20, 300), rng.randint(1, 12)) for _ in range(100)]
+
+    async def body() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            stub = frontend_stub(channel)
+            outcomes = [Outcome() for _ in plans]
+            await asyncio.gather(
+                *(
+                    _consume(stub.GenerateStream(_request(n, f"c{i}")), outcome, stop_after)
+                    for i, ((n, stop_after), outcome) in enumerate(
+                        zip(plans, outcomes, strict=True)
+                    )
+                )
+            )
+            return outcomes
+
+    outcomes = run_async(body, timeout_s=180)
+    # Each was cancelled, or finished before its cancel point with all its tokens.
+    for outcome, (num_tokens, _) in zip(outcomes, plans, strict=True):
+        assert outcome.code in (grpc.StatusCode.CANCELLED, None)
+        if outcome.code is None:
+            assert outcome.num_tokens == num_tokens
+    services.engine.wait_idle(60)
+    assert _kv_usage(services.engine) == [0.0]
+
+
+@pytest.mark.parametrize("target", ["engine", "frontend"])
+def test_sigterm_while_32_streams_run_ends_each_with_its_tokens_or_a_status(
+    start: Callable[..., Services], target: str
+) -> None:
+    services = start("--shutdown-grace", "60")
+    engine = services.engine
+    stopped = engine if target == "engine" else services.frontend
+
+    async def body() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            # Paused, none can finish before the signal: all 32 are in flight when it lands.
+            outcomes, tasks = await _streams_paused_in_the_engine(channel, engine, 32, 200)
+            stopped.process.send_signal(signal.SIGTERM)
+            if stopped is not engine:  # a draining engine resumes by itself
+                await asyncio.to_thread(engine.resume)
+            await asyncio.gather(*tasks)
+            return outcomes
+
+    outcomes = run_async(body, timeout_s=180)
+    for outcome in outcomes:
+        if outcome.code is None:
+            assert (outcome.finish_reason, outcome.num_tokens) == (fpb.FINISH_REASON_LENGTH, 200)
+        else:
+            assert outcome.code in CLEAR_ENDS
+    # Both drain: the engine up to --shutdown-timeout (30 s), the frontend up to its grace.
+    assert [o.code for o in outcomes] == [None] * 32
+    assert stopped.wait_exit(timeout_s=60) == 0
+
+
+def test_a_200_ms_deadline_ends_deadline_exceeded_and_aborts_the_request(
+    start: Callable[..., Services],
+) -> None:
+    services = start()
+    engine = services.engine
+    engine.pause()  # the request cannot finish within its deadline, however fast
+    try:
+
+        async def body() -> grpc.StatusCode | None:
+            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+                try:
+                    await frontend_stub(channel).Generate(_request(900, "deadline"), timeout=0.2)
+                except grpc.aio.AioRpcError as error:
+                    return error.code()
+            return None
+
+        assert run_async(body) == grpc.StatusCode.DEADLINE_EXCEEDED
+        engine.wait_idle(30)  # paused: only the abort can have taken it out
+    finally:
+        engine.resume()
+    assert _kv_usage(engine) == [0.0]
