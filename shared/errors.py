@@ -17,7 +17,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineOverloadedError(RuntimeError):
-    """Too many waiting requests (RESOURCE_EXHAUSTED)."""
+    """Too many waiting requests (RESOURCE_EXHAUSTED). `retry_after_s`: when a client may
+    try again, sent as gRPC's retry pushback."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineUnavailableError(RuntimeError):

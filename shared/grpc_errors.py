@@ -20,6 +20,8 @@ from shared.errors import (
 
 logger = logging.getLogger(__name__)
 
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
 ResponseT = TypeVar("ResponseT")
 UnaryMethod = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 StreamMethod = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncGenerator[ResponseT, None]]
@@ -32,7 +34,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, EngineDeadError | EngineUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, EngineOverloadedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry in {error.retry_after_s:g} s"
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
@@ -42,6 +44,10 @@ async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> Non
     code, message = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
         logger.error("internal error in a gRPC method", exc_info=error)
+    if isinstance(error, EngineOverloadedError):
+        # gRPC's own retry hint (gRFC A6): clients with a retry policy wait this long.
+        pushback_ms = str(round(error.retry_after_s * 1000))
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, pushback_ms),))
     await context.abort(code, message)
 
 

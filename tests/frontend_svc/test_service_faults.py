@@ -213,3 +213,39 @@ def test_a_200_ms_deadline_ends_deadline_exceeded_and_aborts_the_request(
     finally:
         engine.resume()
     assert _kv_usage(engine) == [0.0]
+
+
+def test_a_burst_of_10x_the_queue_limit_is_refused_at_once_with_a_retry_hint(
+    start: Callable[..., Services],
+) -> None:
+    services = start("--max-waiting-requests", "4")
+    engine = services.engine
+    engine.pause()  # no request gets a first token: the 4 admitted wait until resumed
+
+    async def body() -> tuple[list[grpc.aio.AioRpcError], list[fpb.GenerateResponse]]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            stub = frontend_stub(channel)
+
+            async def generate(i: int) -> fpb.GenerateResponse:
+                return await stub.Generate(_request(16, f"b{i}"), timeout=120)
+
+            calls = [asyncio.create_task(generate(i)) for i in range(40)]
+            await _wait_for(lambda: sum(c.done() for c in calls) == 36, "36 refusals")
+            refused = [c.exception() for c in calls if c.done()]
+            waiting = [c for c in calls if not c.done()]
+            assert len(waiting) == 4  # admitted, held by the paused engine
+            await asyncio.to_thread(engine.resume)
+            return [e for e in refused if isinstance(e, grpc.aio.AioRpcError)], list(
+                await asyncio.gather(*waiting)
+            )
+
+    try:
+        refused, completed = run_async(body, timeout_s=120)
+    finally:
+        engine.resume()
+    assert len(refused) == 36
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry in 1 s" in (error.details() or "")
+        assert ("grpc-retry-pushback-ms", "1000") in tuple(error.trailing_metadata() or ())
+    assert [len(r.choices[0].token_ids) for r in completed] == [16] * 4
