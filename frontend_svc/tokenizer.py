@@ -37,7 +37,10 @@ class Tokenizer:
         self.backend = backend
         self.special_tokens = special_tokens  # bos_token, eos_token, ... as the template sees them
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        # transformers skips the clean-up for BPE models: it would strip real spaces. Decided
+        # once here, not at every decode (the streaming detokenizer decodes every token).
+        is_bpe = type(backend.model).__name__ == "BPE"
+        self._clean_up_decoded = clean_up_tokenization_spaces and not is_bpe
 
     @classmethod
     def load(cls, directory: Path) -> Tokenizer:
@@ -73,7 +76,7 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         text = str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-        if self.clean_up_tokenization_spaces and not self._is_bpe:
+        if self._clean_up_decoded:
             text = _clean_up_tokenization(text)
         return text
 
@@ -92,11 +95,6 @@ class Tokenizer:
         except Exception as error:  # jinja2 errors, or a template's raise_exception()
             raise InvalidRequestError("messages", f"the chat template failed: {error}") from error
         return self.encode(text, add_special_tokens=False)
-
-    @property
-    def _is_bpe(self) -> bool:
-        # transformers skips the clean-up for BPE models: it would strip real spaces.
-        return type(self.backend.model).__name__ == "BPE"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

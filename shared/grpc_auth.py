@@ -39,7 +39,7 @@ class TokenSet:
 
     def __init__(self, path: Path | None = None, fixed: Sequence[str] = ()) -> None:
         self.path = path
-        self.fixed = tuple(t for t in fixed if t)
+        self.fixed = tuple(t.encode() for t in fixed if t)
         self._file_tokens: tuple[bytes, ...] = ()
         self._stamp: tuple[int, int, int] | None = None
         if path is not None:
@@ -67,7 +67,7 @@ class TokenSet:
 
     def _all(self) -> tuple[bytes, ...]:
         self._reload_if_changed()
-        return tuple(t.encode() for t in self.fixed) + self._file_tokens
+        return self.fixed + self._file_tokens
 
     def _reload_if_changed(self) -> None:
         if self.path is None:
@@ -83,10 +83,11 @@ class TokenSet:
                 "cannot read the token file %s (%s); keeping its last tokens", self.path, error
             )
             return
+        self._stamp = stamp  # read once per change, whatever it held
         if not tokens:
             logger.warning("the token file %s holds no token; keeping its last tokens", self.path)
             return
-        self._file_tokens, self._stamp = tokens, stamp
+        self._file_tokens = tokens
         logger.info("token file %s re-read: %d tokens", self.path, len(tokens))
 
 
