@@ -13,6 +13,7 @@ from frontend_svc.engines.resolver import parse_target
 from frontend_svc.serve import FrontendOptions, serve
 from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
 from shared.grpc_auth import AuthConfigError, TokenSet, read_client_token
+from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import (
     TLSConfigError,
     add_client_arguments,
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shutdown-grace", type=float, default=10.0, help="seconds for in-flight calls on stop")
     add("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     add(
+        "--stream-write-timeout",
+        type=float,
+        default=DEFAULT_STREAM_WRITE_TIMEOUT_S,
+        help="drop a stream (RESOURCE_EXHAUSTED) whose client has taken no response for this "
+        "many seconds with its flow-control window full (default: %(default)s)",
+    )
+    add(
         "--auth-token-file",
         type=Path,
         help="require `authorization: Bearer TOKEN` on every call but health and reflection, "
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             parse_target(engine)
         except ValueError as error:
             parser.error(f"--engine: {error}")
+    if args.stream_write_timeout <= 0:
+        parser.error("--stream-write-timeout must be > 0")
     if args.max_waiting_requests < 0:
         parser.error("--max-waiting-requests must be >= 0")
     if args.tokenizer is not None and not args.tokenizer.is_dir():
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         shutdown_grace_s=args.shutdown_grace,
         max_message_bytes=args.max_message_bytes,
+        stream_write_timeout_s=args.stream_write_timeout,
         auth_tokens=auth_tokens,
         engine_auth_token=engine_token,
         tls=tls,

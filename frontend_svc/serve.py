@@ -27,6 +27,7 @@ from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
 from shared.grpc_auth import TokenSet, server_interceptors
+from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import ClientTLS, ServerTLS
 from shared.metrics.http_server import start_metrics_server
 from shared.parent_watch import stop_with_parent
@@ -51,6 +52,7 @@ class FrontendOptions:
     engine_auth_token: str = ""  # sent to the engines ("": none)
     tls: ServerTLS | None = None  # None: plaintext
     engine_tls: ClientTLS | None = None  # None: plaintext to the engines
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S
 
 
 async def serve(options: FrontendOptions) -> int:
@@ -73,7 +75,7 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
     )
     frontend = Frontend(pool, metrics=metrics)
     server, health_servicer = build_server(
-        GenerationServicer(frontend),
+        GenerationServicer(frontend, options.stream_write_timeout_s),
         options.host,
         options.port,
         options.max_message_bytes,

@@ -27,3 +27,8 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine takes no new work right now: still starting, or draining (UNAVAILABLE)."""
+
+
+class StreamStalledError(RuntimeError):
+    """A client stopped reading its stream: the last response could not be written for the
+    server's stall bound, so the call was dropped (RESOURCE_EXHAUSTED, no retry hint)."""

@@ -3,6 +3,7 @@ methods, so servicers only convert and delegate."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -16,15 +17,25 @@ from shared.errors import (
     EngineOverloadedError,
     EngineUnavailableError,
     InvalidRequestError,
+    StreamStalledError,
 )
 
 logger = logging.getLogger(__name__)
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
+# How long a server-streaming call may wait for its client to take the next response before
+# it is dropped. A write waits only once the HTTP/2 flow-control window is full (64 KB to a few
+# MB unread), so a client that reads, however slowly, never meets this bound; what queues up
+# behind a stalled write is merged into the next response, bounded by the request's tokens.
+DEFAULT_STREAM_WRITE_TIMEOUT_S = 60.0
+
 ResponseT = TypeVar("ResponseT")
 UnaryMethod = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 StreamMethod = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncGenerator[ResponseT, None]]
+# gRPC also takes a coroutine that writes with context.write() as a server-streaming handler;
+# typed loosely so that it still overrides the generated servicer's streaming method.
+WriterMethod = Callable[[Any, Any, grpc.aio.ServicerContext], Any]
 
 
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -35,6 +46,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, EngineOverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry in {error.retry_after_s:g} s"
+    if isinstance(error, StreamStalledError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
@@ -65,20 +78,61 @@ def unary_errors(method: UnaryMethod[ResponseT]) -> UnaryMethod[ResponseT]:
     return wrapper
 
 
-def stream_errors(method: StreamMethod[ResponseT]) -> StreamMethod[ResponseT]:
+def stream_errors(method: StreamMethod[ResponseT]) -> WriterMethod:
+    """A server-streaming method whose responses are written one at a time, each within the
+    servicer's `stream_write_timeout_s` (None: no bound): a client that reads nothing for that
+    long is dropped with RESOURCE_EXHAUSTED, and the method's clean-up runs."""
+
     @functools.wraps(method)
-    async def wrapper(
-        self: Any, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[ResponseT, None]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
+        timeout_s: float | None = self.stream_write_timeout_s
         try:
             # aclosing: if gRPC drops this stream (the client cancelled), the method's own
             # clean-up (aborting the engine request) runs now, not whenever GC gets to it.
             async with contextlib.aclosing(method(self, request, context)) as responses:
                 async for response in responses:
-                    yield response
+                    await _write(context, response, timeout_s)
+        except StreamStalledError as error:
+            await _abort_behind_unread_responses(context, error)
         except grpc.aio.AbortError:
             raise
         except Exception as error:
             await abort_with(context, error)
 
     return wrapper
+
+
+# Aborts still waiting for their status to pass the responses a client has not read.
+_pending_aborts: set[asyncio.Task[None]] = set()
+
+
+async def _abort_behind_unread_responses(
+    context: grpc.aio.ServicerContext, error: Exception
+) -> None:
+    """End a stalled call without waiting on its client: the status queues up behind the
+    unread responses (the client sees it if it ever reads on) while the method returns and
+    its resources go now. gRPC has no server-side cancel; abort() records the status on its
+    first step, before it waits for the send."""
+    code, message = status_for(error)
+    task = asyncio.get_running_loop().create_task(context.abort(code, message))
+    _pending_aborts.add(task)
+    task.add_done_callback(_forget_abort)
+    while not context.done():  # one turn of the loop: the abort's first step runs first
+        await asyncio.sleep(0)
+
+
+def _forget_abort(task: asyncio.Task[None]) -> None:
+    _pending_aborts.discard(task)
+    if not task.cancelled():
+        task.exception()  # AbortError, or the failed send of a call the client closed
+
+
+async def _write(context: grpc.aio.ServicerContext, response: Any, timeout_s: float | None) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await context.write(response)
+    except TimeoutError:
+        logger.warning("dropped a stream whose client read nothing for %g s", timeout_s)
+        raise StreamStalledError(
+            f"the client read nothing of its stream for {timeout_s:g} s: dropped"
+        ) from None

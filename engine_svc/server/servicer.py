@@ -13,7 +13,7 @@ import grpc
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.server import convert
 from engine_svc.server.tokenizer_files import read_chunks, tokenizer_files
-from shared.grpc_errors import stream_errors, unary_errors
+from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
 
@@ -21,6 +21,8 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
+    stream_write_timeout_s = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client reading nothing: dropped
+
     def __init__(self, client: AsyncMPClient, model_dir: Path, model_name: str) -> None:
         self.client = client
         self.model_dir = model_dir

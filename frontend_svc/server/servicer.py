@@ -14,14 +14,19 @@ from frontend_svc.server import convert
 from frontend_svc.service import Frontend
 from shared.frontend_protos import frontend_pb2 as pb
 from shared.frontend_protos import frontend_pb2_grpc
-from shared.grpc_errors import stream_errors, unary_errors
+from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        stream_write_timeout_s: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+    ) -> None:
         self.frontend = frontend
+        self.stream_write_timeout_s = stream_write_timeout_s  # a client reading nothing: dropped
 
     @unary_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:

@@ -21,13 +21,15 @@ from engine_svc.server.vllm_compat import convert
 from engine_svc.server.vllm_compat.responses import GenerateResponses
 from engine_svc.server.vllm_compat.tokenizer_bundle import archive_chunks, build_archive
 from shared.errors import EngineDeadError, EngineUnavailableError
-from shared.grpc_errors import stream_errors, unary_errors
+from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
 
 Context: TypeAlias = grpc.aio.ServicerContext
 FLUSH_RETRY_S = 0.05  # FlushCache with a timeout: how often to retry while blocks are in use
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    stream_write_timeout_s = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client reading nothing: dropped
+
     def __init__(self, client: AsyncMPClient, model_dir: Path, model_name: str) -> None:
         self.client = client
         self.model_dir = model_dir
