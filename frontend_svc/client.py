@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = (
         grpc.insecure_channel(args.address)
         if tls is None
-        else grpc.secure_channel(args.address, tls.credentials())
+        else grpc.secure_channel(args.address, tls.credentials(), tls.channel_options())
     )
     with channel:
         stub = frontend_pb2_grpc.GenerationServiceStub(channel)

@@ -88,12 +88,21 @@ class _ServerFilesWatcher:
         logger.info("TLS certificate files changed: re-read for new connections")
         return configuration
 
-    def _read_stamps(self) -> list[tuple[int, int, int]]:
-        stamps = []
-        for path in self.tls.files():
-            info = os.stat(path)
-            stamps.append((info.st_mtime_ns, info.st_size, info.st_ino))
-        return stamps
+    def _read_stamps(self) -> list[FileStamp]:
+        return file_stamps(self.tls.files())
+
+
+FileStamp = tuple[int, int, int]
+
+
+def file_stamps(paths: list[Path]) -> list[FileStamp]:
+    """What tells a rewritten file (a Kubernetes secret swaps a symlink): its modification
+    time, size and inode. Raises OSError while a file is missing."""
+    stamps = []
+    for path in paths:
+        info = os.stat(path)
+        stamps.append((info.st_mtime_ns, info.st_size, info.st_ino))
+    return stamps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +110,27 @@ class ClientTLS:
     ca_file: Path | None = None  # the CA that signed the server's cert (default: system roots)
     cert_file: Path | None = None  # mutual TLS: this client's certificate chain
     key_file: Path | None = None  # and its private key
+    # The name to check the server's certificate against, where the address is not it (an
+    # engine pod reached by its IP, its certificate made out to the Service's name).
+    server_name: str | None = None
 
     @classmethod
     def from_options(
-        cls, ca_file: Path | None, cert_file: Path | None, key_file: Path | None, prefix: str
+        cls,
+        ca_file: Path | None,
+        cert_file: Path | None,
+        key_file: Path | None,
+        prefix: str,
+        server_name: str | None = None,
     ) -> ClientTLS | None:
         """None (plaintext) when no file is given. `prefix` names the flags in errors."""
         if ca_file is None and cert_file is None and key_file is None:
+            if server_name is not None:
+                raise TLSConfigError(f"{prefix}-server-name needs {prefix}-ca-file")
             return None
         if (cert_file is None) != (key_file is None):
             raise TLSConfigError(f"{prefix}-cert-file and {prefix}-key-file go together")
-        tls = cls(ca_file, cert_file, key_file)
+        tls = cls(ca_file, cert_file, key_file, server_name)
         tls.credentials()  # unreadable files fail now
         return tls
 
@@ -121,6 +140,38 @@ class ClientTLS:
             private_key=_read(self.key_file),
             certificate_chain=_read(self.cert_file),
         )
+
+    def files(self) -> list[Path]:
+        return [p for p in (self.ca_file, self.cert_file, self.key_file) if p is not None]
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return (
+            []
+            if self.server_name is None
+            else [("grpc.ssl_target_name_override", self.server_name)]
+        )
+
+
+class ClientFilesWatcher:
+    """A client's TLS files, re-read when they change: gRPC reads a channel's credentials
+    once, so a client that must follow a rotation opens a new channel with `changed()`'s."""
+
+    def __init__(self, tls: ClientTLS) -> None:
+        self.tls = tls
+        self._stamps = file_stamps(tls.files())
+
+    def changed(self) -> grpc.ChannelCredentials | None:
+        """New credentials if a file changed since the last call, else None."""
+        try:
+            stamps = file_stamps(self.tls.files())
+            if stamps == self._stamps:
+                return None
+            credentials = self.tls.credentials()
+        except OSError as error:
+            logger.warning("cannot re-read the TLS files (%s); keeping the current ones", error)
+            return None
+        self._stamps = stamps
+        return credentials
 
 
 def _read(path: Path | None) -> bytes | None:
@@ -143,11 +194,15 @@ def server_tls(args: argparse.Namespace) -> ServerTLS | None:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser, prefix: str, server: str) -> None:
-    """`{prefix}-ca-file`, `{prefix}-cert-file`, `{prefix}-key-file`."""
+    """`{prefix}-ca-file`, `{prefix}-cert-file`, `{prefix}-key-file`, `{prefix}-server-name`."""
     add = parser.add_argument
     add(f"{prefix}-ca-file", type=Path, help=f"reach {server} over TLS, trusting this PEM CA")
     add(f"{prefix}-cert-file", type=Path, help=f"mutual TLS: the certificate to show {server}")
     add(f"{prefix}-key-file", type=Path, help=f"the PEM private key of {prefix}-cert-file")
+    add(
+        f"{prefix}-server-name",
+        help=f"the name {server}'s certificate must carry (default: the host of its address)",
+    )
 
 
 def client_tls(args: argparse.Namespace, prefix: str) -> ClientTLS | None:
@@ -157,4 +212,5 @@ def client_tls(args: argparse.Namespace, prefix: str) -> ClientTLS | None:
         getattr(args, f"{dest}_cert_file"),
         getattr(args, f"{dest}_key_file"),
         prefix,
+        getattr(args, f"{dest}_server_name"),
     )

@@ -16,7 +16,7 @@ from frontend_svc.engines.convert import to_engine_load, to_model_info
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
 from shared.grpc_auth import client_interceptors
-from shared.grpc_tls import ClientTLS
+from shared.grpc_tls import ClientFilesWatcher, ClientTLS
 from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# After a TLS rotation, calls still running on the old channel get this long to finish.
+RETIRED_CHANNEL_GRACE_S = 600.0
 
 
 class EngineEndpoint:
@@ -47,17 +49,11 @@ class EngineEndpoint:
         self.poll_interval_s = poll_interval_s
         self.on_change = on_change
         # With a token, every call carries it (the engine may require one).
-        interceptors = client_interceptors(auth_token) if auth_token else None
-        if tls is None:
-            self.channel = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=interceptors
-            )
-        else:
-            self.channel = grpc.aio.secure_channel(
-                address, tls.credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
-            )
-        self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._interceptors = client_interceptors(auth_token) if auth_token else None
+        # Under TLS, rewritten certificate files (a rotated secret) open a new channel.
+        self._tls_files = None if tls is None else ClientFilesWatcher(tls)
+        self._options = CHANNEL_OPTIONS + ([] if tls is None else tls.channel_options())
+        self._open_channel(None if tls is None else tls.credentials())
         self.is_serving = False
         self.suspended_until = 0.0
         self.model_info: ModelInfo | None = None
@@ -66,17 +62,53 @@ class EngineEndpoint:
         self.num_picked = 0
         self._tasks: list[asyncio.Task[None]] = []
 
+        self._health_task: asyncio.Task[None] | None = None
+        # Channels replaced after a TLS rotation, closing once their calls end.
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+
+    def _open_channel(self, credentials: grpc.ChannelCredentials | None) -> None:
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(
+                self.address, options=self._options, interceptors=self._interceptors
+            )
+        else:
+            self.channel = grpc.aio.secure_channel(
+                self.address, credentials, options=self._options, interceptors=self._interceptors
+            )
+        self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._watch_health(), name=f"health {self.address}"),
-            asyncio.create_task(self._poll_loads(), name=f"loads {self.address}"),
-        ]
+        self._health_task = asyncio.create_task(self._watch_health(), name=f"health {self.address}")
+        self._tasks = [asyncio.create_task(self._poll_loads(), name=f"loads {self.address}")]
 
     async def close(self, grace_s: float | None = None) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._health_task] if self._health_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.channel.close(grace_s)
+        for channel, closing in list(self._retired.items()):
+            closing.cancel()  # its calls get the same grace as the current channel's
+            await channel.close(grace_s)
+
+    def _follow_tls_rotation(self) -> None:
+        """New calls go over a channel with the rewritten TLS files; calls on the old one
+        finish there (up to RETIRED_CHANNEL_GRACE_S)."""
+        credentials = None if self._tls_files is None else self._tls_files.changed()
+        if credentials is None:
+            return
+        logger.info("engine %s: the TLS client files changed; new calls use them", self.address)
+        retired = self.channel
+        self._open_channel(credentials)
+        closing = asyncio.create_task(retired.close(RETIRED_CHANNEL_GRACE_S))
+        self._retired[retired] = closing
+        closing.add_done_callback(lambda _: self._retired.pop(retired, None))
+        if self._health_task is not None:  # watch health over the new channel
+            self._health_task.cancel()
+            self._health_task = asyncio.create_task(
+                self._watch_health(), name=f"health {self.address}"
+            )
 
     @property
     def is_available(self) -> bool:
@@ -131,6 +163,7 @@ class EngineEndpoint:
 
     async def _poll_loads(self) -> None:
         while True:
+            self._follow_tls_rotation()
             if self.is_serving:
                 try:
                     response = await self.stub.GetLoads(

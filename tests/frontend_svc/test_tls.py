@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,7 +147,80 @@ def test_the_command_line_client_speaks_tls(secured: Secured) -> None:
     assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
 
 
+def test_the_health_check_probe_speaks_mutual_tls(secured: Secured) -> None:
+    """`python -m shared.health_check`, the exec probe of pods that serve TLS."""
+    client = secured.ca.issue(secured.folder, "probe", server=False)
+    command = [sys.executable, "-m", "shared.health_check",
+               "--address", f"localhost:{secured.engine.port}",
+               "--service", "engine.v1.EngineCoreService",
+               "--tls-ca-file", str(secured.ca.pem.cert)]  # fmt: skip
+    with_cert = [*command, "--tls-cert-file", str(client.cert), "--tls-key-file", str(client.key)]
+    done = subprocess.run(with_cert, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "SERVING" in done.stdout, done.stdout + done.stderr
+    refused = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stdout, refused.stdout
+
+
 def _frontend_ca(secured: Secured) -> Path:
     """The CA of the certificate the frontend serves now (a test may have rotated it)."""
     rotated = secured.folder / "rotated-ca.crt"
     return rotated if rotated.exists() else secured.ca.pem.cert
+
+
+def _replace(source: Pem, target: Pem) -> None:
+    """Rewrite `target`'s files with `source`'s, each by an atomic rename."""
+    for old, new in ((source.key, target.key), (source.cert, target.cert)):
+        fresh = new.with_suffix(".new")
+        shutil.copy(old, fresh)
+        fresh.replace(new)
+
+
+def test_the_frontend_follows_its_rewritten_client_certificate(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine accepts only clients of `trusted`; the frontend starts with a certificate
+    of another CA, so it reaches no engine, until its files are rewritten: then it opens a
+    new channel with them and serves, without a restart."""
+    engine_ca = make_authority(tmp_path, "engine-ca")
+    trusted = make_authority(tmp_path, "trusted-client-ca")
+    engine_cert = engine_ca.issue(tmp_path, "engine", server=True)
+    client = Pem(tmp_path / "client.crt", tmp_path / "client.key")
+    _replace(make_authority(tmp_path, "other-ca").issue(tmp_path, "refused", server=False), client)
+    engine = ServiceProcess(
+        tiny_model_dir, tmp_path / "engine.log",
+        "--tls-cert-file", str(engine_cert.cert), "--tls-key-file", str(engine_cert.key),
+        "--tls-client-ca-file", str(trusted.pem.cert),
+    )  # fmt: skip
+    engine.credentials = _credentials(
+        engine_ca.pem.cert, trusted.issue(tmp_path, "t", server=False)
+    )
+    frontend = FrontendProcess(
+        [engine.address], tmp_path / "frontend.log", "--tokenizer", str(tiny_model_dir),
+        "--engine-tls-ca-file", str(engine_ca.pem.cert),
+        "--engine-tls-cert-file", str(client.cert), "--engine-tls-key-file", str(client.key),
+    )  # fmt: skip
+    try:
+        engine.wait_serving()
+        _wait_listening(frontend)
+        with frontend.channel() as channel, pytest.raises(grpc.RpcError) as refused:
+            _generate(channel)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # no engine took it
+        _replace(trusted.issue(tmp_path, "accepted", server=False), client)
+        frontend.wait_serving(timeout_s=60)
+        with frontend.channel() as channel:
+            assert _generate(channel)
+        assert "the TLS client files changed" in frontend.log()
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def _wait_listening(process: ServiceProcess, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            process.health()
+            return
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, f"not listening within {timeout_s} s"
+            time.sleep(0.1)
