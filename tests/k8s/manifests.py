@@ -15,7 +15,8 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO_ROOT / "k8s"
-OVERLAYS = ("cpu", "gpu")
+# cpu-secure: the cpu overlay with the optional TLS (cert-manager) and token components.
+OVERLAYS = ("cpu", "gpu", "cpu-secure")
 VENV_BIN = Path(sys.executable).parent
 TOOLS_BIN = REPO_ROOT / ".venv-tools" / "bin"
 

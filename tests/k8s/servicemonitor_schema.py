@@ -17,6 +17,18 @@ _DURATION = {
     + ")$",
 }
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+# The metadata fields k8s/ sets on a custom resource (cert_manager_schema.py uses it too).
+METADATA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
 _LABEL_SELECTOR = {
     "type": "object",
     "additionalProperties": False,
@@ -58,17 +70,7 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "properties": {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string"},
-                "namespace": {"type": "string"},
-                "labels": _STRING_MAP,
-                "annotations": _STRING_MAP,
-            },
-        },
+        "metadata": METADATA,
         "spec": {
             "type": "object",
             "additionalProperties": False,

@@ -98,18 +98,34 @@ def test_pods_are_locked_down(overlay: str, rendered: dict[str, list[Manifest]])
 
 @pytest.mark.parametrize("name", [ENGINE, FRONTEND])
 def test_probes_hit_the_served_port(name: str, rendered: dict[str, list[Manifest]]) -> None:
-    """Startup and readiness ask grpc.health.v1 on the port the server binds; liveness too,
+    """Startup and readiness ask grpc.health.v1 on the port the server binds (the kubelet's
+    gRPC probe, or under TLS `python -m shared.health_check` on localhost); liveness too,
     or (the frontend, whose health follows the engines) whether that port accepts."""
+    service = {ENGINE: "engine.v1.EngineCoreService", FRONTEND: "frontend.v1.GenerationService"}
     for _, manifests in _overlays(rendered):
         container = _main_container(find(manifests, "Deployment", name))
         ports = {port["name"]: port["containerPort"] for port in container["ports"]}
         assert int(_flag(container, "--port")) == ports["grpc"]
         assert int(_flag(container, "--metrics-port")) == ports["metrics"]
-        for probe in ("startupProbe", "readinessProbe"):
-            assert container[probe]["grpc"]["port"] == ports["grpc"], probe
+        assert _probed(container["startupProbe"])[0] == ports["grpc"]
+        assert _probed(container["readinessProbe"]) == (ports["grpc"], service[name])
         liveness = container["livenessProbe"]
-        action = liveness.get("grpc") or (name == FRONTEND and liveness.get("tcpSocket"))
-        assert action and action["port"] == ports["grpc"], liveness
+        if name == FRONTEND and "tcpSocket" in liveness:
+            assert liveness["tcpSocket"]["port"] == ports["grpc"]
+        else:
+            assert _probed(liveness)[0] == ports["grpc"], liveness
+
+
+def _probed(probe: Manifest) -> tuple[int, str]:
+    """The port and the health service a probe asks about."""
+    if "grpc" in probe:
+        return probe["grpc"]["port"], probe["grpc"].get("service", "")
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "shared.health_check"], command
+    options = dict(arg.partition("=")[::2] for arg in command[3:])
+    host, _, port = options["--address"].rpartition(":")
+    assert host == "localhost", options  # the name the pod's certificate carries
+    return int(port), options.get("--service", "")
 
 
 def _probe_window_s(probe: Manifest) -> int:
@@ -299,3 +315,55 @@ def test_overlays_change_only_the_engine(rendered: dict[str, list[Manifest]]) ->
         ]
 
     assert shared(rendered["cpu"]) == shared(rendered["gpu"])
+
+
+def test_secure_overlay_mounts_every_file_its_flags_name(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    """Each file a flag or a probe of cpu-secure names is a key of a Secret mounted there:
+    a cert-manager Certificate's (tls.crt, tls.key, ca.crt) or duoserve-auth's items."""
+    manifests = rendered["cpu-secure"]
+    issued = {c["spec"]["secretName"] for c in of_kind(manifests, "Certificate")}
+    for name in (ENGINE, FRONTEND):
+        deployment = find(manifests, "Deployment", name)
+        container = _main_container(deployment)
+        volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+        files: dict[str, set[str]] = {}
+        for mount in container["volumeMounts"]:
+            secret = volumes[mount["name"]].get("secret")
+            if secret is None:
+                continue
+            if "items" in secret:
+                keys = {item["path"] for item in secret["items"]}
+            else:
+                assert secret["secretName"] in issued, secret
+                keys = {"tls.crt", "tls.key", "ca.crt"}
+            files[mount["mountPath"]] = keys
+        probes = [container[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe")]
+        named = [
+            arg.partition("=")[2]
+            for arg in [*container["args"], *(a for command in probes for a in command)]
+            if arg.partition("=")[2].startswith("/etc/duoserve/")
+        ]
+        assert len(named) >= 5, named
+        for path in named:
+            folder, _, file = path.rpartition("/")
+            assert file in files.get(folder, set()), (name, path, files)
+
+
+def test_certificates_carry_the_names_clients_check(rendered: dict[str, list[Manifest]]) -> None:
+    manifests = rendered["cpu-secure"]
+    certificates = {c["metadata"]["name"]: c["spec"] for c in of_kind(manifests, "Certificate")}
+    issuers = {i["metadata"]["name"]: i["spec"] for i in of_kind(manifests, "Issuer")}
+    frontend = find(manifests, "Deployment", FRONTEND)
+    engine_name = _flag(_main_container(frontend), "--engine-tls-server-name")
+    assert engine_name in certificates["duoserve-engine-tls"]["dnsNames"]
+    for name in (ENGINE, FRONTEND):
+        spec = certificates[f"{name}-tls"]
+        assert {"localhost", name, f"{name}.duoserve.svc"} <= set(spec["dnsNames"])  # probes
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+        ca_issuer = issuers[spec["issuerRef"]["name"]]
+        root = next(
+            c for c in certificates.values() if c["secretName"] == ca_issuer["ca"]["secretName"]
+        )
+        assert root["isCA"] is True and "selfSigned" in issuers[root["issuerRef"]["name"]]

@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.k8s.cert_manager_schema import CERTIFICATE_SCHEMA, ISSUER_SCHEMA
 from tests.k8s.manifests import (
     K8S_DIR,
     OVERLAYS,
@@ -26,7 +27,11 @@ from tests.k8s.servicemonitor_schema import SERVICE_MONITOR_SCHEMA
 # schemas kubernetes-validate ships; both offline.
 KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")
 # Kinds that kubernetes-validate has no schema for, and what checks them instead.
-CRD_KINDS = {"ServiceMonitor": "test_service_monitor_matches_its_schema"}
+CRD_KINDS = {
+    "ServiceMonitor": "test_service_monitor_matches_its_schema",
+    "Certificate": "test_cert_manager_resources_match_their_schemas",
+    "Issuer": "test_cert_manager_resources_match_their_schemas",
+}
 
 _UNKNOWN_FIELD = """\
 apiVersion: v1
@@ -103,6 +108,20 @@ def test_service_monitor_matches_its_schema(rendered: dict[str, list[Manifest]])
             {**monitors[0], "spec": {**monitors[0]["spec"], "endpoint": []}},
             SERVICE_MONITOR_SCHEMA,
         )
+
+
+def test_cert_manager_resources_match_their_schemas(rendered: dict[str, list[Manifest]]) -> None:
+    schemas = {"Certificate": CERTIFICATE_SCHEMA, "Issuer": ISSUER_SCHEMA}
+    found = {kind: list(of_kind(rendered["cpu-secure"], kind)) for kind in schemas}
+    assert len(found["Certificate"]) == 3 and len(found["Issuer"]) == 2, found
+    for kind, schema in schemas.items():
+        for resource in found[kind]:
+            jsonschema.validate(resource, schema)
+    certificate = found["Certificate"][0]
+    with pytest.raises(jsonschema.ValidationError):  # a misspelt field
+        jsonschema.validate({**certificate, "spec": {**certificate["spec"], "dnsName": []}},
+                            CERTIFICATE_SCHEMA)  # fmt: skip
+    assert not any(of_kind(rendered["cpu"], "Certificate"))  # TLS is optional
 
 
 def test_checkov(rendered_dir: Path, tmp_path: Path) -> None:

@@ -29,15 +29,35 @@ class Authority:
 
     def issue(self, folder: Path, name: str, *, server: bool) -> Pem:
         """A certificate this CA signs: for a server on 127.0.0.1/localhost, or a client."""
-        key = ec.generate_private_key(ec.SECP256R1())
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        return self._issue(folder, name, [usage], ["localhost"] if server else None)
+
+    def issue_secret(self, folder: Path, dns_names: list[str]) -> Path:
+        """What cert-manager puts in a Certificate's Secret, as the kubelet mounts it:
+        `folder` with tls.crt, tls.key (server and client usages, for `dns_names`,
+        localhost and 127.0.0.1) and ca.crt."""
+        folder.mkdir(parents=True, exist_ok=True)
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        pem = self._issue(folder, "tls", usages, [*dns_names, "localhost"])
+        (folder / "ca.crt").write_bytes(self.pem.cert.read_bytes())
+        return pem.cert.parent
+
+    def _issue(
+        self,
+        folder: Path,
+        name: str,
+        usages: list[x509.ObjectIdentifier],
+        dns_names: list[str] | None,
+    ) -> Pem:
+        key = ec.generate_private_key(ec.SECP256R1())
         builder = (
             _builder(name, key, self.certificate.subject)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
-        if server:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if dns_names is not None:
+            names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+            names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         certificate = builder.sign(self.key, hashes.SHA256())
         return _write(folder, name, key, certificate)
