@@ -11,7 +11,7 @@ TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 
-.PHONY: install kernels tools prometheus cross-compiler model proto test k8s-check run demo run-engine run-frontend bench lint clean
+.PHONY: install kernels tools prometheus cross-compiler model proto test k8s-check run demo run-engine run-frontend bench soak lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -113,6 +113,12 @@ run-frontend: $(GEN_STAMP)
 
 bench: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
+
+# Both services under steady mixed load for SOAK_MINUTES (10) with SOAK_CONCURRENCY (16)
+# clients: fails on any unexpected error, a leaked KV block, or memory growth over 5%.
+# Not part of `make test` (tests/soak.py says why).
+soak: $(GEN_STAMP) $(KERNEL_STAMP)
+	$(PY) -m tests.soak
 
 clean:
 	rm -rf $(VENV) $(TOOLS_VENV) gen .pytest_cache .mypy_cache .ruff_cache

@@ -243,6 +243,22 @@ def start_service(model_dir: Path, log_path: Path, *extra_args: str) -> ServiceP
     return service
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """The resident memory of a process and all its descendants (a service and its engines)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue  # it ended meanwhile
+        rss_kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))
+        total += int(rss_kib) * 1024
+    return total
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

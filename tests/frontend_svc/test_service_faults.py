@@ -1,6 +1,7 @@
 """Faults with both services as subprocesses and the tiny model, each test on services of its
 own: a frontend killed mid-stream, a hundred streams cancelled at random points, SIGTERM to
-the engine or to the frontend while 32 streams run, and a 200 ms deadline. Afterwards the
+the engine or to the frontend while 32 streams run, a 200 ms deadline, and a burst of ten
+times the queue limit (refused at once with a retry hint, memory bounded). Afterwards the
 engine holds no request and every KV block is free; every stream ended with all its tokens or
 with a clear status, none silently. Where a race with the tiny model's speed would decide the
 outcome, the engine is paused (PauseGeneration) so the fault lands while requests are in it."""
@@ -18,10 +19,17 @@ import grpc
 import pytest
 
 from shared.frontend_protos import frontend_pb2 as fpb
+from shared.frontend_protos import frontend_pb2_grpc
 from shared.protos import engine_pb2 as epb
 from shared.protos import engine_pb2_grpc
 from tests.frontend_svc.frontend_helpers import frontend_stub, greedy
-from tests.service_processes import FrontendProcess, ServiceProcess, run_async, wait_all_serving
+from tests.service_processes import (
+    FrontendProcess,
+    ServiceProcess,
+    run_async,
+    tree_rss_bytes,
+    wait_all_serving,
+)
 
 CLEAR_ENDS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 
@@ -215,37 +223,55 @@ def test_a_200_ms_deadline_ends_deadline_exceeded_and_aborts_the_request(
     assert _kv_usage(engine) == [0.0]
 
 
+QUEUE_LIMIT = 64
+BURST = 10 * QUEUE_LIMIT
+# What a burst may add to a service's resident memory (its processes together): the refused
+# calls must not be held, the admitted ones are small. The figures print with `pytest -s`.
+MAX_BURST_GROWTH_BYTES = 64 << 20
+
+
 def test_a_burst_of_10x_the_queue_limit_is_refused_at_once_with_a_retry_hint(
     start: Callable[..., Services],
 ) -> None:
-    services = start("--max-waiting-requests", "4")
+    services = start("--max-waiting-requests", str(QUEUE_LIMIT))
     engine = services.engine
-    engine.pause()  # no request gets a first token: the 4 admitted wait until resumed
+    with services.frontend.channel() as channel:  # a first call: lazy imports and caches
+        frontend_pb2_grpc.GenerationServiceStub(channel).Generate(_request(4, "warm"), timeout=60)
+    pids = {"frontend": services.frontend.process.pid, "engine": engine.process.pid}
+    before = {name: tree_rss_bytes(pid) for name, pid in pids.items()}
+    engine.pause()  # no request gets a first token: the admitted ones wait until resumed
 
     async def body() -> tuple[list[grpc.aio.AioRpcError], list[fpb.GenerateResponse]]:
         async with grpc.aio.insecure_channel(services.frontend.address) as channel:
             stub = frontend_stub(channel)
 
             async def generate(i: int) -> fpb.GenerateResponse:
-                return await stub.Generate(_request(16, f"b{i}"), timeout=120)
+                return await stub.Generate(_request(16, f"b{i}"), timeout=300)
 
-            calls = [asyncio.create_task(generate(i)) for i in range(40)]
-            await _wait_for(lambda: sum(c.done() for c in calls) == 36, "36 refusals")
+            calls = [asyncio.create_task(generate(i)) for i in range(BURST)]
+            refusals = BURST - QUEUE_LIMIT
+            await _wait_for(lambda: sum(c.done() for c in calls) == refusals, "the refusals")
             refused = [c.exception() for c in calls if c.done()]
             waiting = [c for c in calls if not c.done()]
-            assert len(waiting) == 4  # admitted, held by the paused engine
+            assert len(waiting) == QUEUE_LIMIT  # admitted, held by the paused engine
             await asyncio.to_thread(engine.resume)
             return [e for e in refused if isinstance(e, grpc.aio.AioRpcError)], list(
                 await asyncio.gather(*waiting)
             )
 
     try:
-        refused, completed = run_async(body, timeout_s=120)
+        refused, completed = run_async(body, timeout_s=300)
     finally:
         engine.resume()
-    assert len(refused) == 36
+    assert len(refused) == BURST - QUEUE_LIMIT
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry in 1 s" in (error.details() or "")
         assert ("grpc-retry-pushback-ms", "1000") in tuple(error.trailing_metadata() or ())
-    assert [len(r.choices[0].token_ids) for r in completed] == [16] * 4
+    assert [len(r.choices[0].token_ids) for r in completed] == [16] * QUEUE_LIMIT
+    after = {name: tree_rss_bytes(pid) for name, pid in pids.items()}
+    for name in pids:
+        growth = after[name] - before[name]
+        print(f"{name} resident memory: {before[name] >> 20} MiB before a burst of {BURST} "
+              f"calls, {after[name] >> 20} MiB after ({growth / (1 << 20):+.1f} MiB)")  # fmt: skip
+        assert growth < MAX_BURST_GROWTH_BYTES, (name, before[name], after[name])
