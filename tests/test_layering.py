@@ -34,6 +34,7 @@ EDGES = (
     "shared.grpc_tls",
     "shared.grpc_errors",
     "shared.grpc_server",
+    "shared.health_check",  # the exec probe: a health client
     "shared.metrics.grpc_server",
 )
 PROTOBUF_ROOTS = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "smg_grpc_proto")

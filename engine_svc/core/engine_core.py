@@ -22,25 +22,26 @@ from engine_svc.core.kv_cache.sizing import GiB, KVCachePlan, plan_kv_cache
 from engine_svc.core.request import Request
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.core.sched.scheduler import Scheduler
+from engine_svc.executor.base import Executor, RunnerResult, WorkerMemory
+from engine_svc.executor.factory import build_executor
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.models.model_spec import ModelSpec, load_model_spec
 from engine_svc.structured.manager import StructuredOutputManager
-from engine_svc.worker.executor import UniProcExecutor
 from engine_svc.worker.model_runner import resolve_device, resolve_dtype
 from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
 from shared.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-RunnerResult = ModelRunnerOutput | PendingSample
-
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
-CPU_PROFILE_TOKENS = 128
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """`executor`: what runs the model (default: the one the config asks for, built here);
+    tests hand in a fake one whose steps they control."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -51,16 +52,9 @@ class EngineCore:
         enable_chunking, enable_caching = _attention_constraints(config, self.spec)
         max_batched = _resolve_max_batched_tokens(config, self.max_model_len, enable_chunking)
 
-        self.executor = UniProcExecutor(
-            config.model,
-            self.spec,
-            dtype,
-            device,
-            config.block_size,
-            config.max_concurrent_batches,
-            config.fail_after_steps,
-            config.cpu_kernels,
-        )
+        if executor is None:
+            executor = build_executor(config, self.spec, dtype, device)
+        self.executor = executor
         self.executor_failed: BaseException | None = None
         self.executor.register_failure_callback(self._on_executor_failure)
         self.kv_plan = self._initialize_kv_caches(max_batched)
@@ -93,41 +87,33 @@ class EngineCore:
     # ---- start-up --------------------------------------------------------------------
 
     def _initialize_kv_caches(self, max_batched_tokens: int) -> KVCachePlan:
-        runner = self.executor.runner
-        activation = 0
-        if self.config.num_kv_blocks is None:
-            num_seqs = min(self.config.max_num_seqs, max_batched_tokens)
-            profile_tokens = max_batched_tokens
-            if runner.device.type == "cpu":
-                # CPU memory has no allocator statistics: the resident-set growth of a short
-                # forward catches fixed costs, the estimate covers the part that grows
-                # with the batch, and a full-size forward would add seconds to each start.
-                profile_tokens = min(max_batched_tokens, CPU_PROFILE_TOKENS)
-            measured = self.executor.run_on_worker(
-                runner.profile_activation_bytes, profile_tokens, min(num_seqs, profile_tokens)
-            )
-            estimated = runner.estimate_activation_bytes(max_batched_tokens, num_seqs)
-            activation = max(measured, estimated)
-        plan = plan_kv_cache(
-            budget_bytes=self._memory_budget(runner.device),
-            weight_bytes=runner.weight_bytes,
-            activation_bytes=activation,
-            bytes_per_block=runner.kv_bytes_per_block(),
-            block_size=self.config.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
-            num_blocks_override=self.config.num_kv_blocks,
+        """Size the KV cache for the tightest worker, and have every worker allocate it."""
+        workers = self.executor.profile_memory(
+            max_batched_tokens, self.config.max_num_seqs, measure=self.config.num_kv_blocks is None
         )
-        self.executor.run_on_worker(runner.allocate_kv_cache, plan.num_blocks)
+        plans = [
+            plan_kv_cache(
+                budget_bytes=self._memory_budget(worker),
+                weight_bytes=worker.weight_bytes,
+                activation_bytes=worker.activation_bytes,
+                bytes_per_block=worker.kv_bytes_per_block,
+                block_size=self.config.block_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.config.max_num_seqs,
+                num_blocks_override=self.config.num_kv_blocks,
+            )
+            for worker in workers
+        ]
+        plan = min(plans, key=lambda p: p.num_blocks)
+        self.executor.allocate_kv_cache(plan.num_blocks)
         logger.info("%s", plan.describe())
         return plan
 
-    def _memory_budget(self, device: torch.device) -> int:
+    def _memory_budget(self, worker: WorkerMemory) -> int:
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            return int(total * self.config.gpu_memory_utilization)
+        if worker.device_type == "cuda":
+            return int(worker.device_total_bytes * self.config.gpu_memory_utilization)
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4)
 

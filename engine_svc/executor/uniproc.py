@@ -1,8 +1,9 @@
-"""Runs the model runner's forward off the busy loop's thread and hands back a future.
+"""One worker, on a thread of the engine-core process.
 
-`execute_model(..., non_block=True)` returns at once, so the core can do the next step's
-CPU work (grammar bitmasks, taking in new requests) while the forward runs; torch
-releases the GIL inside its kernels. A forward that raises calls the failure callback.
+`execute_model` returns a future at once, so the core can do the next step's CPU work
+(grammar bitmasks, taking in new requests) while the forward runs; torch releases the GIL
+inside its kernels. Batches run in submission order. A forward that raises calls the failure
+callback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine_svc.core.sched.output import SchedulerOutput
+from engine_svc.executor.base import Executor, FailureCallback, RunnerResult, WorkerMemory
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.host_memory import keep_freed_activations
 from engine_svc.worker.model_runner import ModelRunner
@@ -23,10 +25,13 @@ from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, Pending
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+# CPU memory has no allocator statistics: the resident-set growth of a short forward catches
+# fixed costs, the runner's estimate covers the part that grows with the batch, and a
+# full-size forward would add seconds to each start.
+CPU_PROFILE_TOKENS = 128
 
-class UniProcExecutor:
-    """One worker, on a thread of this process. Batches run in submission order."""
 
+class UniProcExecutor(Executor):
     def __init__(
         self,
         model_dir: str,
@@ -42,24 +47,52 @@ class UniProcExecutor:
         if device.type == "cpu":
             keep_freed_activations()  # before the worker thread exists: it joins the main arena
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
-        self._failure_callback: Callable[[BaseException], None] | None = None
+        self._failure_callback: FailureCallback | None = None
         # Every torch call runs on the worker thread, loading included: each thread that
         # runs a parallel op gets its own OpenMP team, and two spinning teams on a small
         # CPU slowed each decode step by half (84 vs 47 ms per token for one request).
-        self.runner: ModelRunner = self.run_on_worker(
+        self.runner: ModelRunner = self._run_on_worker(
             ModelRunner, model_dir, spec, dtype, device, block_size, fail_after_steps, cpu_kernels
         )
 
-    def run_on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run `fn` on the worker thread and wait for it (start-up work, utilities)."""
+    def _run_on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run `fn` on the worker thread and wait for it (start-up work)."""
         return self._pool.submit(fn, *args).result()
 
-    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+    def profile_memory(
+        self, max_batched_tokens: int, max_num_seqs: int, measure: bool
+    ) -> list[WorkerMemory]:
+        runner = self.runner
+        activation = 0
+        if measure:
+            num_seqs = min(max_num_seqs, max_batched_tokens)
+            profile_tokens = max_batched_tokens
+            if runner.device.type == "cpu":
+                profile_tokens = min(max_batched_tokens, CPU_PROFILE_TOKENS)
+            measured = self._run_on_worker(
+                runner.profile_activation_bytes, profile_tokens, min(num_seqs, profile_tokens)
+            )
+            estimated = runner.estimate_activation_bytes(max_batched_tokens, num_seqs)
+            activation = max(measured, estimated)
+        total = 0
+        if runner.device.type == "cuda":
+            total = torch.cuda.get_device_properties(runner.device).total_memory
+        memory = WorkerMemory(
+            device_type=runner.device.type,
+            device_total_bytes=total,
+            weight_bytes=runner.weight_bytes,
+            activation_bytes=activation,
+            kv_bytes_per_block=runner.kv_bytes_per_block(),
+        )
+        return [memory]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._run_on_worker(self.runner.allocate_kv_cache, num_blocks)
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
         self._failure_callback = callback
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput
-    ) -> Future[ModelRunnerOutput | PendingSample]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[RunnerResult]:
         future = self._pool.submit(self.runner.execute_model, scheduler_output)
         future.add_done_callback(self._check_failure)
         return future

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from engine_svc import LLM, SamplingParams
+from engine_svc.executor.uniproc import UniProcExecutor
 from engine_svc.messages import EngineCoreRequest
 
 
@@ -38,4 +39,6 @@ def assert_kv_cache_clean(llm: LLM) -> None:
     pool = core.scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks, "KV blocks leaked"
     assert not core.scheduler.has_requests()
-    assert not core.executor.runner.states, "model runner kept request state"
+    executor = core.executor
+    assert isinstance(executor, UniProcExecutor)
+    assert not executor.runner.states, "model runner kept request state"
