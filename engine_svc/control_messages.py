@@ -53,6 +53,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     block_size: int
     num_kv_blocks: int
     max_num_seqs: int
+    architecture: str = ""  # config.json's architectures[0]
 
 
 class EngineDead(msgspec.Struct, array_like=True):

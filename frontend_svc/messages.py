@@ -142,3 +142,4 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    architecture: str = ""

@@ -131,6 +131,7 @@ class EngineCore:
             block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
+            architecture=self.spec.architecture,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -260,6 +261,26 @@ class EngineCore:
 
 def _resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
+    window = spec.sliding_window
+    if window is not None and window < limit:
+        # The paged attention attends to every earlier token: past the window that would
+        # differ from the model's own attention, so sequences stay within the window.
+        if config.max_model_len is not None and config.max_model_len > window:
+            raise InvalidRequestError(
+                "max_model_len",
+                f"{config.max_model_len} exceeds {spec.architecture}'s sliding window of "
+                f"{window} tokens, past which this engine's attention is not windowed yet",
+            )
+        if config.max_model_len is None:
+            logger.warning(
+                "%s attends over a sliding window of %d tokens: max_model_len is %d, not "
+                "the model's %d positions, so that every token is exact",
+                spec.architecture,
+                window,
+                window,
+                limit,
+            )
+        limit = window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

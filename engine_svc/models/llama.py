@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-like, Qwen2) over a flattened batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
 and gate/up are fused into one matmul each, and every projection's weight is stored
@@ -134,6 +134,9 @@ class Attention(nn.Module):
         self.o_proj = Projection(q_size, spec.hidden_size, False)
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused_rotary = False
+        # Qwen3: each head of q and k RMS-normalised (over head_dim) before the rotary.
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def fuse(self) -> None:
         self.qkv = Projection.fused([self.q_proj, self.k_proj, self.v_proj])
@@ -152,6 +155,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
+                -1, self.num_kv_heads, self.head_dim
+            )
         if self.fused_rotary:  # in place on qkv; cos and sin are float32 [tokens, head_dim]
             torch.ops.duoserve.rotary_inplace(q, cos, sin)
             torch.ops.duoserve.rotary_inplace(k, cos, sin)

@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Families whose attention projections carry a bias unless their config says otherwise.
+_BIASED_BY_DEFAULT = ("Qwen2ForCausalLM",)
+# Families that RMS-normalise each head of q and k before the rotary embedding.
+_QK_NORM = ("Qwen3ForCausalLM",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,6 +35,9 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before the rotary embedding (Qwen3)
+    # Tokens each query attends back over (Mistral's sliding_window); None: all of them.
+    sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     is_causal: bool  # False: the prompt attends both ways (prefix-LM)
     torch_dtype: str
@@ -66,11 +78,22 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         rope_scaling=None if rope_type == "default" else dict(rope),
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
-        attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+        attention_bias=config.get("attention_bias", architecture in _BIASED_BY_DEFAULT),
+        qk_norm=architecture in _QK_NORM,
+        sliding_window=_sliding_window(config),
         eos_token_ids=_eos_ids(model_dir, config),
         is_causal=not config.get("use_bidirectional_attention", False),
         torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
     )
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """The attention window, where the config turns one on (Qwen2 and Qwen3 name a window
+    but leave it off unless use_sliding_window)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def _eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:

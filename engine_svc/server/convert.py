@@ -131,6 +131,7 @@ def to_model_info(model_name: str, infos: list[EngineInfo]) -> pb.GetModelInfoRe
         num_kv_blocks=min(info.num_kv_blocks for info in infos),
         data_parallel_size=len(infos),
         max_num_seqs=first.max_num_seqs,
+        architecture=first.architecture,
     )
 
 

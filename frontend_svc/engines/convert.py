@@ -81,6 +81,7 @@ def to_model_info(response: pb.GetModelInfoResponse) -> ModelInfo:
         max_model_len=response.max_model_len,
         vocab_size=response.vocab_size,
         eos_token_ids=tuple(response.eos_token_ids),
+        architecture=response.architecture,
     )
 
 

@@ -130,4 +130,5 @@ def to_model_info_response(info: ServiceInfo) -> pb.GetModelInfoResponse:
         has_chat_template=info.has_chat_template,
         num_engines=info.num_engines,
         num_healthy_engines=info.num_healthy_engines,
+        architecture=info.model.architecture,
     )

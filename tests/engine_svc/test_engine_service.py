@@ -208,7 +208,7 @@ def test_model_info_health_and_reflection(service: ServiceProcess, tiny_model_di
         49152,
     )
     assert (list(info.eos_token_ids), info.block_size, info.num_kv_blocks) == ([2], 16, 256)
-    assert info.data_parallel_size == 1
+    assert (info.data_parallel_size, info.architecture) == (1, "LlamaForCausalLM")
     names = {s.name for s in answer.list_services_response.service}
     assert {"engine.v1.EngineCoreService", "grpc.health.v1.Health"} <= names
 

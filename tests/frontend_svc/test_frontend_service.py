@@ -311,6 +311,7 @@ def test_model_info_health_and_reflection(services: Services, tiny_model_dir: Pa
     )
     assert (list(info.eos_token_ids), info.has_chat_template) == ([2], True)
     assert (info.num_engines, info.num_healthy_engines) == (1, 1)
+    assert info.architecture == "LlamaForCausalLM"
     names = {s.name for s in answer.list_services_response.service}
     assert {"frontend.v1.GenerationService", "grpc.health.v1.Health"} <= names
 

@@ -1,0 +1,175 @@
+"""Each model family the engine serves, as a tiny random model built from the family's own
+transformers config class and saved with `save_pretrained`: greedy tokens equal transformers
+`generate` on 16 prompts, all requests at once, with chunked prefill forced, with prefix-cache
+hits (a second round of the same prompts), with preemption forced, and without the C++
+kernels; logprobs within 1e-3 of transformers' log-softmax."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine_svc import LLM, SamplingParams
+from engine_svc.models.model_spec import load_model_spec
+from tests.engine_svc.engine_helpers import assert_kv_cache_clean
+from tests.engine_svc.hf_reference import hf_greedy, hf_token_logprobs, load_hf_model
+from tests.model_fixtures import TOKENIZER_FILES
+
+VOCAB_SIZE = 49152  # the default model's tokenizer, which the engine loads with the model
+NUM_PROMPTS = 16
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    # Wide weights make the random model's logits peaky: near-ties between the top two tokens
+    # would turn float rounding into spurious mismatches.
+    "initializer_range": 0.25,
+}
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**COMMON, tie_word_embeddings=True)
+
+
+def _llama3_rope() -> Any:
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0}  # fmt: skip
+    return LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters=rope)
+
+
+def _mistral() -> Any:
+    from transformers import MistralConfig
+
+    # A window wider than every sequence here: the engine caps max_model_len at it.
+    return MistralConfig(**COMMON, sliding_window=400)
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**COMMON, tie_word_embeddings=True)  # q, k and v carry a bias
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)  # q/k RMSNorm
+
+
+FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": _llama,
+    "llama3_rope": _llama3_rope,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+}
+# name -> engine options
+REGIMES: dict[str, dict[str, Any]] = {
+    "all_at_once": {},
+    "chunked_prefill": {"max_num_batched_tokens": 24},
+    "preemption": {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 160},
+    "no_cpu_kernels": {"cpu_kernels": False},
+}
+
+
+def _workload() -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, VOCAB_SIZE, size=24).tolist()
+    prompts = []
+    for i, length in enumerate(rng.integers(1, 90, size=NUM_PROMPTS)):
+        tail = rng.integers(3, VOCAB_SIZE, size=int(length)).tolist()
+        prompts.append(prefix + tail if i % 2 else tail)  # shared prefixes, for the cache
+    return prompts, rng.integers(1, 24, size=NUM_PROMPTS).tolist()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    default_model_dir: Path,
+) -> Any:
+    """(model dir, prompts, max tokens, transformers' greedy outputs, its model)."""
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    config = FAMILIES[name]()
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(folder)
+    for file in TOKENIZER_FILES:
+        if (default_model_dir / file).is_file():
+            shutil.copy(default_model_dir / file, folder / file)
+    prompts, max_tokens = _workload()
+    hf = load_hf_model(folder)
+    return folder, prompts, max_tokens, hf_greedy(hf, prompts, max_tokens), hf
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_greedy_matches_transformers(family: Any, regime: str) -> None:
+    folder, prompts, max_tokens, expected, _ = family
+    # transformers stops at EOS; the engine is told to ignore it, so compare up to there.
+    llm = LLM(str(folder), **REGIMES[regime])
+    got = _greedy(llm, prompts, max_tokens)
+    mismatches = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g[: len(e)] != e]
+    assert not mismatches, f"prompts {mismatches} differ from transformers"
+    if regime == "all_at_once":  # the same prompts again: served from the prefix cache
+        assert _greedy(llm, prompts, max_tokens) == got
+        assert llm.engine_core.scheduler.make_stats().prefix_cache_hits > 0
+    if regime == "preemption":
+        assert llm.engine_core.scheduler.make_stats().num_preemptions > 0
+    assert_kv_cache_clean(llm)
+
+
+def test_logprobs_match_transformers(family: Any) -> None:
+    folder, prompts, _, _, hf = family
+    llm = LLM(str(folder))
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    for prompt in prompts[:4]:
+        [out] = llm.generate([prompt], params)
+        reference = hf_token_logprobs(hf, prompt, out.token_ids)
+        for step, entry in enumerate(out.logprobs):
+            assert abs(entry.logprob - reference[step, entry.token_id].item()) < 1e-3
+
+
+def test_the_spec_reads_each_familys_traits(family: Any) -> None:
+    folder = family[0]
+    config = json.loads((folder / "config.json").read_text())
+    spec = load_model_spec(folder)
+    architecture = config["architectures"][0]
+    assert spec.architecture == architecture
+    assert spec.attention_bias == (architecture == "Qwen2ForCausalLM")
+    assert spec.qk_norm == (architecture == "Qwen3ForCausalLM")
+    assert spec.sliding_window == (400 if architecture == "MistralForCausalLM" else None)
+
+
+def test_a_sliding_window_caps_the_model_length(family: Any) -> None:
+    folder = family[0]
+    llm = LLM(str(folder))
+    expected = 400 if load_model_spec(folder).sliding_window else 512
+    assert llm.engine_core.max_model_len == expected
