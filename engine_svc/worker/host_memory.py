@@ -16,6 +16,7 @@ supported, the memory stays lazy and correct.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -39,6 +40,8 @@ _M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's upper limit for it on 64-bit
 TRIM_THRESHOLD_BYTES = 1 << 30
 POPULATE_CHUNK_BYTES = 2 << 20  # per madvise call: each tensor advances this far per round
+# How long an exiting process waits for a populating thread to finish its current chunk.
+POPULATE_STOP_WAIT_S = 5.0
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -53,14 +56,16 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return torch.frombuffer(region, dtype=dtype, count=num_elements).view(shape)
 
 
-def populate(tensors: Sequence[torch.Tensor]) -> bool:
+def populate(tensors: Sequence[torch.Tensor], stop: threading.Event | None = None) -> bool:
     """Map the pages of mmap-backed tensors (zeroed_host_tensor's), the first
     POPULATE_CHUNK_BYTES of each, then the next, and so on: the low block ids of every layer
     come first. The GIL is released during each call (ctypes). False if the kernel does not
-    take the advice (the pages then come on first write)."""
+    take the advice (the pages then come on first write) or `stop` was set."""
     madvise = _libc().madvise
     longest = max((t.untyped_storage().nbytes() for t in tensors), default=0)
     for offset in range(0, longest, POPULATE_CHUNK_BYTES):
+        if stop is not None and stop.is_set():
+            return False
         for tensor in tensors:
             size = tensor.untyped_storage().nbytes()
             if offset < size:
@@ -72,14 +77,17 @@ def populate(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def populate_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
-    """`populate` on a daemon thread at idle priority, which logs how long it took."""
+    """`populate` on a daemon thread at idle priority, which logs how long it took. A process
+    that exits first stops it between chunks and waits for it: a thread still inside
+    native code while the interpreter finalizes aborted the exit ("terminate called without
+    an active exception", exit status 134)."""
     tensors = list(tensors)
 
     def run() -> None:
         with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         began = time.perf_counter()
-        if populate(tensors):
+        if populate(tensors, _STOP_POPULATING):
             total = sum(t.untyped_storage().nbytes() for t in tensors)
             logger.info(
                 "KV cache faulted in: %.2f GiB in %.1f s",
@@ -88,8 +96,21 @@ def populate_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
             )
 
     thread = threading.Thread(target=run, name="kv-cache-populate", daemon=True)
+    _populating.add(thread)
     thread.start()
     return thread
+
+
+_STOP_POPULATING = threading.Event()
+_populating: set[threading.Thread] = set()
+
+
+@atexit.register
+def _stop_populating() -> None:
+    _STOP_POPULATING.set()
+    deadline = time.monotonic() + POPULATE_STOP_WAIT_S
+    for thread in _populating:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @functools.cache

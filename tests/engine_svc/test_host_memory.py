@@ -7,6 +7,7 @@ import ctypes
 import gc
 import mmap
 import os
+import threading
 
 import pytest
 import torch
@@ -85,9 +86,9 @@ def test_populating_in_the_background_maps_every_page_at_idle_priority(
     policies: list[int] = []
     populate_now = host_memory.populate
 
-    def recording(tensors: list[torch.Tensor]) -> bool:
+    def recording(tensors: list[torch.Tensor], stop: threading.Event | None = None) -> bool:
         policies.append(os.sched_getscheduler(0))  # this thread's
-        return populate_now(tensors)
+        return populate_now(tensors, stop)
 
     monkeypatch.setattr(host_memory, "populate", recording)
     tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32) for _ in range(2)]
@@ -95,3 +96,13 @@ def test_populating_in_the_background_maps_every_page_at_idle_priority(
     assert policies == [os.SCHED_IDLE]  # it runs only on a core the engine leaves idle
     assert all(_resident_pages(t) == -(-t.untyped_storage().nbytes() // mmap.PAGESIZE)
                for t in tensors)  # fmt: skip
+
+
+def test_a_stopped_population_ends_between_chunks() -> None:
+    """What an exiting process does (host_memory's atexit hook): set the event, and the
+    thread ends after the chunk in progress, leaving the rest lazy."""
+    stop = threading.Event()
+    stop.set()
+    tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32)]
+    assert populate(tensors, stop) is False
+    assert _resident_pages(tensors[0]) == 0
