@@ -117,7 +117,7 @@ async def _abort_behind_unread_responses(
     task = asyncio.get_running_loop().create_task(context.abort(code, message))
     _pending_aborts.add(task)
     task.add_done_callback(_forget_abort)
-    while not context.done():  # one turn of the loop: the abort's first step runs first
+    while not (context.done() or task.done()):  # one turn: the abort's first step runs first
         await asyncio.sleep(0)
 
 

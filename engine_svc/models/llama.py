@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a
+flattened batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
 and gate/up are fused into one matmul each, and every projection's weight is stored
@@ -125,12 +126,15 @@ class Attention(nn.Module):
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.attention_multiplier or spec.head_dim**-0.5
         q_size = spec.num_heads * spec.head_dim
         kv_size = spec.num_kv_heads * spec.head_dim
-        self.q_proj = Projection(spec.hidden_size, q_size, spec.attention_bias)
-        self.k_proj = Projection(spec.hidden_size, kv_size, spec.attention_bias)
-        self.v_proj = Projection(spec.hidden_size, kv_size, spec.attention_bias)
+        if spec.fused_checkpoint:  # Phi-3 stores them fused already, in the same order
+            self.qkv_proj = Projection(spec.hidden_size, q_size + 2 * kv_size, spec.attention_bias)
+        else:
+            self.q_proj = Projection(spec.hidden_size, q_size, spec.attention_bias)
+            self.k_proj = Projection(spec.hidden_size, kv_size, spec.attention_bias)
+            self.v_proj = Projection(spec.hidden_size, kv_size, spec.attention_bias)
         self.o_proj = Projection(q_size, spec.hidden_size, False)
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused_rotary = False
@@ -139,8 +143,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def fuse(self) -> None:
-        self.qkv = Projection.fused([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        if hasattr(self, "qkv_proj"):
+            self.qkv = self.qkv_proj
+            del self.qkv_proj
+            self.qkv.transpose()
+        else:
+            self.qkv = Projection.fused([self.q_proj, self.k_proj, self.v_proj])
+            del self.q_proj, self.k_proj, self.v_proj
         self.o_proj.transpose()
 
     def forward(
@@ -174,14 +183,23 @@ class MLP(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
-        self.up_proj = Projection(spec.hidden_size, spec.intermediate_size, False)
-        self.down_proj = Projection(spec.intermediate_size, spec.hidden_size, False)
+        size = spec.intermediate_size
+        if spec.fused_checkpoint:  # Phi-3: gate then up, as fuse() lays them out
+            self.gate_up_proj = Projection(spec.hidden_size, 2 * size, False)
+        else:
+            self.gate_proj = Projection(spec.hidden_size, size, False)
+            self.up_proj = Projection(spec.hidden_size, size, False)
+        self.down_proj = Projection(size, spec.hidden_size, False)
         self.fused_act = False  # silu(gate) * up in one C++ pass
 
     def fuse(self) -> None:
-        self.gate_up = Projection.fused([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        if hasattr(self, "gate_up_proj"):
+            self.gate_up = self.gate_up_proj
+            del self.gate_up_proj
+            self.gate_up.transpose()
+        else:
+            self.gate_up = Projection.fused([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
         self.down_proj.transpose()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +217,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.residual_multiplier = spec.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(
         self,
@@ -213,8 +232,13 @@ class DecoderLayer(nn.Module):
         added to the residual stream; returns this layer's MLP output and the stream."""
         hidden, residual = self.input_layernorm(x, residual)
         attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            attn = attn * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(hidden), residual
+        out = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -272,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
         if self.fused_ops:
             cos, sin = self.rotary.cos_sin_rows(positions)
         else:
@@ -282,4 +308,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        return logits

@@ -12,11 +12,15 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
 )
 # Families whose attention projections carry a bias unless their config says otherwise.
 _BIASED_BY_DEFAULT = ("Qwen2ForCausalLM",)
 # Families that RMS-normalise each head of q and k before the rotary embedding.
 _QK_NORM = ("Qwen3ForCausalLM",)
+# Families whose checkpoints hold q/k/v as one qkv_proj and gate/up as one gate_up_proj.
+_FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +45,14 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     is_causal: bool  # False: the prompt attends both ways (prefix-LM)
     torch_dtype: str
+    fused_checkpoint: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
+    # Granite's multipliers (1.0 and None elsewhere): the embeddings are scaled, each block's
+    # output is scaled before it joins the residual stream, attention scores are scaled by
+    # attention_multiplier instead of 1/sqrt(head_dim), and the logits divided.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -64,6 +76,12 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     hidden_size = config["hidden_size"]
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) not in (
+        1.0,
+        None,
+    ):
+        raise ValueError(f"{architecture}: a partial_rotary_factor is not supported")
+    granite = architecture == "GraniteForCausalLM"
     return ModelSpec(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -84,6 +102,11 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         eos_token_ids=_eos_ids(model_dir, config),
         is_causal=not config.get("use_bidirectional_attention", False),
         torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
+        fused_checkpoint=architecture in _FUSED_CHECKPOINT,
+        embedding_multiplier=config.get("embedding_multiplier", 1.0) if granite else 1.0,
+        residual_multiplier=config.get("residual_multiplier", 1.0) if granite else 1.0,
+        attention_multiplier=config.get("attention_multiplier") if granite else None,
+        logits_scaling=config.get("logits_scaling", 1.0) if granite else 1.0,
     )
 
 

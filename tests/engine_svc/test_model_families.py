@@ -76,12 +76,27 @@ def _qwen3() -> Any:
     return Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)  # q/k RMSNorm
 
 
+def _phi3() -> Any:
+    from transformers import Phi3Config
+
+    return Phi3Config(**COMMON)  # qkv_proj and gate_up_proj in the checkpoint
+
+
+def _granite() -> Any:
+    from transformers import GraniteConfig
+
+    return GraniteConfig(**COMMON, embedding_multiplier=2.0, residual_multiplier=0.5,
+                         attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
+
+
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "llama3_rope": _llama3_rope,
     "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "phi3": _phi3,
+    "granite": _granite,
 }
 # name -> engine options
 REGIMES: dict[str, dict[str, Any]] = {
