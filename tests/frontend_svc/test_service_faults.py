@@ -52,7 +52,11 @@ def start(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Servic
     started: list[ServiceProcess] = []
 
     def start_services(*frontend_args: str) -> Services:
-        engine = ServiceProcess(tiny_model_dir, tmp_path / "engine.log")
+        # A drain on SIGTERM gets far longer than the tiny model needs (30 s by default),
+        # so that a busy machine cannot turn a complete stream into an aborted one.
+        engine = ServiceProcess(
+            tiny_model_dir, tmp_path / "engine.log", "--shutdown-timeout", "300"
+        )
         frontend = FrontendProcess([engine.address], tmp_path / "frontend.log", *frontend_args)
         started.extend([frontend, engine])
         wait_all_serving([engine, frontend])
