@@ -14,11 +14,14 @@ import argparse
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TLSConfigError(ValueError):
@@ -49,10 +52,11 @@ class ServerTLS:
         return tls
 
     def credentials(self) -> grpc.ServerCredentials:
-        watcher = _ServerFilesWatcher(self)
+        # gRPC asks at each handshake whether the certificate changed (None: keep it).
+        watcher = FilesWatcher(self.files(), self.certificate_configuration)
         return grpc.dynamic_ssl_server_credentials(
             watcher.current,
-            watcher.changed_configuration,
+            watcher.changed,
             require_client_authentication=self.client_ca_file is not None,
         )
 
@@ -65,31 +69,29 @@ class ServerTLS:
         return [p for p in (self.cert_file, self.key_file, self.client_ca_file) if p is not None]
 
 
-class _ServerFilesWatcher:
-    """gRPC asks at each handshake whether the certificate changed: a new configuration when
-    some file did (and reads whole), None to keep the current one."""
+class FilesWatcher(Generic[T]):
+    """What `read` makes of some files, made again when one of them changed (a rotated
+    Kubernetes secret). `changed()`: the new value, or None while nothing changed or while a
+    file is briefly missing mid-rotation (the current value serves on)."""
 
-    def __init__(self, tls: ServerTLS) -> None:
-        self.tls = tls
-        self._stamps = self._read_stamps()
-        self.current = tls.certificate_configuration()
+    def __init__(self, files: list[Path], read: Callable[[], T]) -> None:
+        self.files = files
+        self.read = read
+        self._stamps = file_stamps(files)
+        self.current = read()
 
-    def changed_configuration(self) -> grpc.ServerCertificateConfiguration | None:
+    def changed(self) -> T | None:
         try:
-            stamps = self._read_stamps()
+            stamps = file_stamps(self.files)
             if stamps == self._stamps:
                 return None
-            configuration = self.tls.certificate_configuration()
+            value = self.read()
         except OSError as error:
-            # Mid-rotation a file can be briefly missing: serve on with what we have.
             logger.warning("cannot re-read the TLS files (%s); keeping the current ones", error)
             return None
-        self._stamps, self.current = stamps, configuration
-        logger.info("TLS certificate files changed: re-read for new connections")
-        return configuration
-
-    def _read_stamps(self) -> list[FileStamp]:
-        return file_stamps(self.tls.files())
+        self._stamps, self.current = stamps, value
+        logger.info("TLS files changed: re-read")
+        return value
 
 
 FileStamp = tuple[int, int, int]
@@ -150,28 +152,6 @@ class ClientTLS:
             if self.server_name is None
             else [("grpc.ssl_target_name_override", self.server_name)]
         )
-
-
-class ClientFilesWatcher:
-    """A client's TLS files, re-read when they change: gRPC reads a channel's credentials
-    once, so a client that must follow a rotation opens a new channel with `changed()`'s."""
-
-    def __init__(self, tls: ClientTLS) -> None:
-        self.tls = tls
-        self._stamps = file_stamps(tls.files())
-
-    def changed(self) -> grpc.ChannelCredentials | None:
-        """New credentials if a file changed since the last call, else None."""
-        try:
-            stamps = file_stamps(self.tls.files())
-            if stamps == self._stamps:
-                return None
-            credentials = self.tls.credentials()
-        except OSError as error:
-            logger.warning("cannot re-read the TLS files (%s); keeping the current ones", error)
-            return None
-        self._stamps = stamps
-        return credentials
 
 
 def _read(path: Path | None) -> bytes | None:

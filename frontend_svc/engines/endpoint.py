@@ -16,7 +16,7 @@ from frontend_svc.engines.convert import to_engine_load, to_model_info
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
 from shared.grpc_auth import client_interceptors
-from shared.grpc_tls import ClientFilesWatcher, ClientTLS
+from shared.grpc_tls import ClientTLS, FilesWatcher
 from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class EngineEndpoint:
         # With a token, every call carries it (the engine may require one).
         self._interceptors = client_interceptors(auth_token) if auth_token else None
         # Under TLS, rewritten certificate files (a rotated secret) open a new channel.
-        self._tls_files = None if tls is None else ClientFilesWatcher(tls)
+        self._tls_files = None if tls is None else FilesWatcher(tls.files(), tls.credentials)
         self._options = CHANNEL_OPTIONS + ([] if tls is None else tls.channel_options())
-        self._open_channel(None if tls is None else tls.credentials())
+        self._open_channel(None if self._tls_files is None else self._tls_files.current)
         self.is_serving = False
         self.suspended_until = 0.0
         self.model_info: ModelInfo | None = None
