@@ -100,11 +100,18 @@ class ServiceProcess:
 
     def num_requests(self) -> int:
         """Requests running or waiting in the engine, over every rank."""
+        return sum(load.num_running + load.num_waiting for load in self._loads())
+
+    def num_running(self) -> int:
+        """Requests scheduled (holding KV blocks) in the engine, over every rank."""
+        return sum(load.num_running for load in self._loads())
+
+    def _loads(self) -> list[pb.RankLoad]:
         with self.channel() as channel:
             loads = engine_pb2_grpc.EngineCoreServiceStub(channel).GetLoads(
                 pb.GetLoadsRequest(), timeout=5
             )
-        return sum(load.num_running + load.num_waiting for load in loads.loads)
+        return list(loads.loads)
 
     def generation_tokens_total(self) -> int:
         """The engine's own count of tokens it generated (vllm:generation_tokens_total)."""

@@ -64,9 +64,9 @@ def populate(tensors: Sequence[torch.Tensor], stop: threading.Event | None = Non
     madvise = _libc().madvise
     longest = max((t.untyped_storage().nbytes() for t in tensors), default=0)
     for offset in range(0, longest, POPULATE_CHUNK_BYTES):
-        if stop is not None and stop.is_set():
-            return False
         for tensor in tensors:
+            if stop is not None and stop.is_set():
+                return False
             size = tensor.untyped_storage().nbytes()
             if offset < size:
                 length = min(POPULATE_CHUNK_BYTES, size - offset)
@@ -107,7 +107,15 @@ _populating: set[threading.Thread] = set()
 
 @atexit.register
 def _stop_populating() -> None:
+    """Stop the populating threads and wait for them. Each checks the stop flag before every
+    chunk; back at normal priority, it reaches the check in a moment even on a CPU that
+    other processes keep busy (at idle priority beside two busy loops, one round over a
+    model's layers took longer than the wait)."""
     _STOP_POPULATING.set()
+    for thread in _populating:
+        if thread.native_id is not None and thread.is_alive():
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
     deadline = time.monotonic() + POPULATE_STOP_WAIT_S
     for thread in _populating:
         thread.join(max(0.0, deadline - time.monotonic()))

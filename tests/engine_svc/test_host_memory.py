@@ -106,3 +106,51 @@ def test_a_stopped_population_ends_between_chunks() -> None:
     tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32)]
     assert populate(tensors, stop) is False
     assert _resident_pages(tensors[0]) == 0
+
+
+def test_a_stop_during_a_round_ends_it_after_the_chunk_in_progress(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round covers every tensor (two per layer): the flag is checked before each chunk,
+    not each round, so a thread starved of CPU still stops within one madvise call."""
+    stop = threading.Event()
+    calls: list[int] = []
+    madvise = host_memory._libc().madvise
+
+    class StopsAfterOneChunk:
+        def madvise(self, address: int, length: int, advice: int) -> int:
+            calls.append(address)
+            stop.set()
+            return int(madvise(address, length, advice))
+
+    monkeypatch.setattr(host_memory, "_libc", StopsAfterOneChunk)
+    tensors = [zeroed_host_tensor((4, 1000), torch.float32) for _ in range(48)]
+    assert populate(tensors, stop) is False
+    assert len(calls) == 1
+    assert [_resident_pages(t) > 0 for t in tensors] == [True] + [False] * 47
+
+
+def test_the_exit_hook_puts_a_starved_populating_thread_back_to_normal_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At exit, the idle-priority thread gets the CPU back so it reaches its stop check."""
+    at_idle, release = threading.Event(), threading.Event()
+
+    def run() -> None:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        at_idle.set()
+        release.wait(60)
+
+    monkeypatch.setattr(host_memory, "POPULATE_STOP_WAIT_S", 0.0)  # the thread is blocked
+    thread = threading.Thread(target=run)
+    monkeypatch.setattr(host_memory, "_populating", {thread})
+    try:
+        thread.start()
+        assert at_idle.wait(60)
+        assert os.sched_getscheduler(thread.native_id or 0) == os.SCHED_IDLE
+        host_memory._stop_populating()
+        assert os.sched_getscheduler(thread.native_id or 0) == os.SCHED_OTHER
+    finally:
+        host_memory._STOP_POPULATING.clear()
+        release.set()
+        thread.join(60)

@@ -110,7 +110,12 @@ async def _streams_paused_in_the_engine(
     channel: grpc.aio.Channel, engine: ServiceProcess, count: int, num_tokens: int
 ) -> tuple[list[Outcome], list[asyncio.Task[None]]]:
     """`count` streams through the frontend, read into outcomes by tasks; returns once all
-    are in the engine and it is paused, so none can finish until it resumes."""
+    are running in the engine (their KV blocks allocated) and it is paused, so none can
+    finish until it resumes. The engine is paused while they arrive, so they start
+    together (one step schedules them all), then released until that step ran: a stream
+    could finish before the pause lands only if the engine made `num_tokens` steps in the
+    time one PauseGeneration call takes."""
+    assert not await asyncio.to_thread(engine.pause)
     stub = frontend_stub(channel)
     outcomes = [Outcome() for _ in range(count)]
     tasks = [
@@ -118,6 +123,8 @@ async def _streams_paused_in_the_engine(
         for i, o in enumerate(outcomes)
     ]
     await _wait_for(lambda: engine.num_requests() == count, f"all {count} in the engine")
+    await asyncio.to_thread(engine.resume)
+    await _wait_for(lambda: engine.num_running() == count, f"all {count} scheduled")
     assert await asyncio.to_thread(engine.pause)
     return outcomes, tasks
 
@@ -130,7 +137,7 @@ def test_a_frontend_killed_mid_stream_leaves_the_engine_nothing(
 
     async def body() -> list[Outcome]:
         async with grpc.aio.insecure_channel(services.frontend.address) as channel:
-            outcomes, tasks = await _streams_paused_in_the_engine(channel, engine, 8, 900)
+            outcomes, tasks = await _streams_paused_in_the_engine(channel, engine, 8, 1000)
             try:
                 services.frontend.stop()  # SIGKILL
                 await _wait_for(lambda: engine.num_requests() == 0, "the engine aborted all 8")
