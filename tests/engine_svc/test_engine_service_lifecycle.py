@@ -57,12 +57,21 @@ def _long_requests(count: int, max_tokens: int, prefix: str) -> list[pb.Generate
 async def _start_streams(
     stub: engine_pb2_grpc.EngineCoreServiceStub, requests: list[pb.GenerateRequest]
 ) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
-    """Start the streams and wait until each has its first tokens."""
+    """Start the streams and wait until each has its first tokens. The engine is paused while
+    they arrive, so one step schedules them all and they advance together: none can finish
+    while another still waits for its first token, however slowly they were admitted."""
+    await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
     results = [StreamResult() for _ in requests]
     tasks = [
         asyncio.create_task(consume(stub, request, result))
         for request, result in zip(requests, results, strict=True)
     ]
+    while True:
+        response = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
+        if sum(load.num_running + load.num_waiting for load in response.loads) == len(requests):
+            break
+        await asyncio.sleep(0.05)
+    await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
     await asyncio.gather(*(r.first_message.wait() for r in results))
     return results, tasks
 
