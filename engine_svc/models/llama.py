@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import packed_block_size, packed_linear_available
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
 from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from engine_svc.models.model_spec import ModelSpec
+from engine_svc.models.sharding import RankShards
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -121,14 +123,16 @@ class Projection(nn.Module):
 class Attention(nn.Module):
     qkv: Projection  # q, k and v in one matmul, set by fuse()
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
         super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = shards.num_heads
+        self.num_kv_heads = shards.num_kv_heads
         self.head_dim = spec.head_dim
         self.scale = spec.attention_multiplier or spec.head_dim**-0.5
-        q_size = spec.num_heads * spec.head_dim
-        kv_size = spec.num_kv_heads * spec.head_dim
+        self.collectives = collectives
+        q_size = self.num_heads * spec.head_dim
+        kv_size = self.num_kv_heads * spec.head_dim
         if spec.fused_checkpoint:  # Phi-3 stores them fused already, in the same order
             self.qkv_proj = Projection(spec.hidden_size, q_size + 2 * kv_size, spec.attention_bias)
         else:
@@ -175,15 +179,16 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.collectives.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class MLP(nn.Module):
     gate_up: Projection  # gate and up in one matmul, set by fuse()
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
         super().__init__()
-        size = spec.intermediate_size
+        size = shards.mlp_rows[1] - shards.mlp_rows[0]
+        self.collectives = collectives
         if spec.fused_checkpoint:  # Phi-3: gate then up, as fuse() lays them out
             self.gate_up_proj = Projection(spec.hidden_size, 2 * size, False)
         else:
@@ -205,16 +210,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if self.fused_act:
-            return self.down_proj(torch.ops.duoserve.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            hidden = torch.ops.duoserve.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.collectives.all_reduce(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, shards, collectives)
+        self.mlp = MLP(spec, shards, collectives)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier  # Granite's; 1.0 elsewhere
@@ -241,43 +248,70 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: keeps the layer numbering of the checkpoint."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    embed_tokens: nn.Embedding | None
+    norm: RMSNorm | None
+
+    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
         super().__init__()
-        # Given a weight, nn.Embedding skips its random init: on the meta device that init
-        # goes through torch's reference ops, which import torch._dynamo (a second or more).
-        weight = torch.empty(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        layout = shards.layout
+        self.embed_tokens = None
+        if layout.is_first_stage:
+            # Given a weight, nn.Embedding skips its random init: on the meta device that
+            # init goes through torch's reference ops, which import torch._dynamo (a second
+            # or more). Under tensor parallelism, this rank's vocabulary rows.
+            rows = shards.vocab_per_rank
+            weight = torch.empty(rows, spec.hidden_size)
+            self.embed_tokens = nn.Embedding(rows, spec.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, shards, collectives) if shards.has_layer(i) else MissingLayer()
+            for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last_stage else None
+
+    def local_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """The whole model, or one rank's share of it (`collectives`: tensor and pipeline
+    parallelism, engine_svc/models/sharding.py)."""
+
+    lm_head: Projection | None
+
+    def __init__(self, spec: ModelSpec, collectives: Collectives = SINGLE) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.collectives = collectives
+        self.shards = RankShards.of(spec, collectives.layout)
+        self.model = LlamaModel(spec, self.shards, collectives)
         self.rotary = RotaryEmbedding(
             spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
         )
-        self.lm_head = Projection(spec.hidden_size, spec.vocab_size, False)
+        self.lm_head = None
+        if collectives.layout.is_last_stage:
+            self.lm_head = Projection(spec.hidden_size, self.shards.vocab_per_rank, False)
         self.fused_ops = False
 
     def finish_loading(self) -> None:
-        if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
+        embed = self.model.embed_tokens
+        if self.spec.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight  # type: ignore[assignment]
             self.lm_head.shared_weight = True
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
+        for layer in self.model.local_layers():
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def use_fused_ops(self, enabled: bool) -> None:
+    def use_fused_ops(self, enabled: bool, dtype: torch.dtype) -> None:
         """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU
         kernels' single passes, and the projections on packed weights where that kernel
         serves the dtype."""
         self.fused_ops = enabled
-        packed = enabled and packed_linear_available(self.model.embed_tokens.weight.dtype)
+        packed = enabled and packed_linear_available(dtype)
         for module in self.modules():
             if isinstance(module, Projection) and packed:
                 module.pack()
@@ -294,21 +328,46 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if self.spec.embedding_multiplier != 1.0:
-            x = x * self.spec.embedding_multiplier
+        """The final hidden states on the last pipeline stage; on the others, what the next
+        stage takes as `intermediate`: the last layer's output and the residual stream,
+        stacked [2, tokens, hidden]."""
+        if intermediate is None:
+            x = self.embed(input_ids)
+            residual: torch.Tensor | None = None
+        else:
+            x, residual = intermediate[0], intermediate[1]
         if self.fused_ops:
             cos, sin = self.rotary.cos_sin_rows(positions)
         else:
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.model.local_layers(), kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if self.model.norm is None:
+            assert residual is not None
+            return torch.stack((x, residual))
         return self.model.norm(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        assert embed is not None, "only the first pipeline stage embeds"
+        if self.collectives.layout.tp_size == 1:
+            x = embed(input_ids)
+        else:  # each rank looks up the ids in its rows; the sum over ranks has them all
+            start, end = self.shards.vocab_rows
+            mine = (input_ids >= start) & (input_ids < end)
+            x = embed(torch.where(mine, input_ids - start, 0))
+            x = self.collectives.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         logits = self.lm_head(hidden)
+        if self.collectives.layout.tp_size > 1:
+            logits = self.collectives.all_gather_last_dim(logits)[:, : self.spec.vocab_size]
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
         return logits

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from engine_svc.core.sched.output import SchedulerOutput
+from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import cpu_kernels_available, describe, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
@@ -51,12 +52,17 @@ class ModelRunner:
         block_size: int,
         fail_after_steps: int | None = None,
         cpu_kernels: bool = True,
+        collectives: Collectives = SINGLE,
     ) -> None:
         self.spec = spec
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        self.model: LlamaForCausalLM = load_model(model_dir, spec, dtype, device)
+        self.collectives = collectives
+        self.layout = collectives.layout
+        self.model: LlamaForCausalLM = load_model(model_dir, spec, dtype, device, collectives)
+        self.num_layers = len(self.model.model.local_layers())
+        self.num_kv_heads = self.model.shards.num_kv_heads
         self.sampler = Sampler(device)
         self.kv_caches: list[KVCache] = []
         self.states: dict[str, RunnerRequestState] = {}
@@ -65,7 +71,7 @@ class ModelRunner:
         # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
         self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
         self.prefill_kernel = self.cpu_kernels and prefill_attention_available(dtype, spec.head_dim)
-        self.model.use_fused_ops(self.cpu_kernels)
+        self.model.use_fused_ops(self.cpu_kernels, dtype)
         if device.type == "cpu":
             logger.info(
                 "%s", describe(dtype, spec.head_dim) if self.cpu_kernels else "CPU kernels off"
@@ -78,16 +84,16 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_bytes_per_block(self) -> int:
+        """This worker's share: its layers, its K/V heads."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return self.spec.kv_bytes_per_token * self.block_size * element
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.spec.head_dim
+        return per_token * self.block_size * element
 
     def allocate_kv_cache(self, num_blocks: int, warm: bool = True) -> None:
         """The KV cache of every layer; on CPU its pages are faulted in by a background
         thread (`warm`), so the engine can serve before they all are."""
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [
-            (self._zeros(shape), self._zeros(shape)) for _ in range(self.spec.num_layers)
-        ]
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(self.num_layers)]
         if warm and self.device.type == "cpu":
             populate_in_background([t for pair in self.kv_caches for t in pair])
 
@@ -99,9 +105,12 @@ class ModelRunner:
         return zeroed_host_tensor(shape, self.dtype)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | PendingSample:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | PendingSample | None:
         """Run the forward. When a constrained request samples this step, return the logits
-        as a PendingSample: sampling waits for the grammar bitmask (`sample_tokens`)."""
+        as a PendingSample: sampling waits for the grammar bitmask (`sample_tokens`). A rank
+        that does not sample (parallel layouts) returns None once its share is done."""
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
@@ -118,10 +127,23 @@ class ModelRunner:
             self.cpu_kernels,
             self.prefill_kernel,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        intermediate = None
+        if not self.layout.is_first_stage:
+            shape = (2, inputs.input_ids.shape[0], self.spec.hidden_size)
+            buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+            intermediate = self.collectives.recv_from_previous_stage(buffer)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention, intermediate
+        )
+        if not self.layout.is_last_stage:
+            self.collectives.send_to_next_stage(hidden)
+            return None
         if not inputs.sample_request_ids:
             return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+        # Every tensor rank takes part in gathering the logits; one samples.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+        if not self.layout.samples:
+            return None
         pending = PendingSample(logits, inputs.sample_request_ids)
         if any(self.states[r].sampling_params.constraint for r in pending.request_ids):
             return pending
@@ -132,6 +154,7 @@ class ModelRunner:
         self, pending: PendingSample, grammar: GrammarBitmask | None
     ) -> ModelRunnerOutput:
         logits = pending.logits
+        assert logits is not None, "the logits are this runner's own"
         if grammar is not None:
             logits = _apply_grammar(logits, pending.request_ids, grammar)
         states = [self.states[request_id] for request_id in pending.request_ids]
@@ -161,7 +184,13 @@ class ModelRunner:
                     eos_token_ids=self.spec.eos_token_ids,
                 )
             else:
-                self.states[entry.request_id].block_ids.extend(entry.new_block_ids)
+                state = self.states[entry.request_id]
+                state.block_ids.extend(entry.new_block_ids)
+                # A rank that does not sample learns the sampled tokens from the step that
+                # computes them (on the rank that samples, they are known already).
+                missing = entry.num_computed_tokens + len(entry.token_ids) - len(state.token_ids)
+                if missing > 0:
+                    state.token_ids.extend(entry.token_ids[-missing:])
 
     @torch.inference_mode()
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
@@ -188,13 +217,18 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         before = _memory_mark(self.device)
-        hidden = self.model(
-            ids, torch.arange(num_tokens, device=self.device) % 2, self.kv_caches, meta
-        )
-        # Logits and softmax for one sampled row per sequence, as a full step would have.
-        rows = torch.arange(num_seqs, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-        torch.softmax(logits, dim=-1)
+        # A later pipeline stage profiles on zeros instead of its predecessor's output.
+        intermediate = None
+        if not self.layout.is_first_stage:
+            shape = (2, num_tokens, self.spec.hidden_size)
+            intermediate = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % 2
+        hidden = self.model(ids, positions, self.kv_caches, meta, intermediate)
+        if self.layout.is_last_stage:
+            # Logits and softmax for one sampled row per sequence, as a full step has them.
+            rows = torch.arange(num_seqs, device=self.device) % num_tokens
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            torch.softmax(logits, dim=-1)
         peak = _memory_peak(self.device) - before
         self.kv_caches = saved
         return max(peak, 0)

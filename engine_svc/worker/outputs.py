@@ -25,8 +25,9 @@ class ModelRunnerOutput:
 class PendingSample:
     """A forward's logits whose sampling waits for a grammar bitmask (structured output)."""
 
-    logits: torch.Tensor  # [rows, vocab]
+    logits: torch.Tensor | None  # [rows, vocab]; None: kept by a worker process
     request_ids: list[str]
+    step: int = 0  # which forward, for an executor whose workers keep the logits
 
 
 @dataclasses.dataclass(slots=True)
