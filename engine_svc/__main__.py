@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
+from engine_svc.distributed.layout import ParallelLayout
+from engine_svc.models.model_spec import load_model_spec
+from engine_svc.models.sharding import check_divisible
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
 from engine_svc.server.serve import ServiceOptions, serve
 from shared.errors import InvalidRequestError
@@ -40,6 +43,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--data-parallel-size", type=int, default=1, help="engine processes, one per rank")
     add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="worker processes that split each layer (attention heads, MLP columns)",
+    )
+    add(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="worker processes that each run a contiguous stage of the layers",
+    )
+    add(
+        "--master-addr",
+        default="127.0.0.1",
+        help="where the workers meet (torch.distributed rendezvous) (default: %(default)s)",
+    )
+    add(
+        "--master-port",
+        type=int,
+        default=0,
+        help="the rendezvous port; node 0 also takes the next two for the other nodes' "
+        "workers (default: a free one, on one machine only)",
+    )
+    add("--nnodes", type=int, default=1, help="machines the worker ranks spread over")
+    add(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place: 0 serves the API and schedules; the others run workers "
+        "only (default: %(default)s)",
+    )
+    add(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -55,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--kv-cache-memory-gib",
         type=float,
-        help="memory budget for weights, activations and the KV cache, in GiB "
-        "(default: 90%% of the GPU, or a quarter of RAM up to 4 GiB on CPU)",
+        help="memory budget for weights, activations and the KV cache, in GiB, per GPU or on "
+        "CPU for all workers together (default: 90%% of the GPU, or a quarter of RAM up to "
+        "4 GiB on CPU)",
     )
     add("--gpu-memory-utilization", type=float, default=0.9)
     add("--num-kv-blocks", type=int, help="KV blocks per rank, overriding the memory budget")
@@ -105,6 +143,12 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kernels=args.cpu_kernels,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         fail_after_steps=args.fail_after_steps,
     )
 
@@ -126,8 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(Path(args.model).resolve())
     try:
         config = engine_config(args, model_dir)
+        check_divisible(
+            load_model_spec(model_dir),
+            ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size),
+        )
     except InvalidRequestError as error:
         parser.error(f"--{error.field.replace('_', '-')}: {error.message}")
+    if config.node_rank > 0:
+        from engine_svc.executor.worker_node import run_worker_node
+
+        return run_worker_node(config)
     try:
         auth_tokens = None if args.auth_token_file is None else TokenSet(args.auth_token_file)
         tls = server_tls(args)

@@ -119,8 +119,15 @@ def measure_alternating(workers: dict[str, Worker], rounds: int) -> dict[str, Sy
 def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[GenerateFn]:
     from engine_svc import LLM, SamplingParams
 
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
     llm = LLM(
-        args.model, dtype=args.dtype, num_threads=num_threads, num_kv_blocks=args.num_kv_blocks
+        args.model,
+        dtype=args.dtype,
+        # Worker processes split the cores among themselves.
+        num_threads=None if parallel else num_threads,
+        num_kv_blocks=args.num_kv_blocks,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -277,6 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="our engine's worker ranks"
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=1, help="our engine's stages"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds of each system (medians)"
     )
     parser.add_argument(
@@ -300,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need --rounds >= 1")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        parser.error("need --tensor-parallel-size and --pipeline-parallel-size >= 1")
     if args.num_prompts < 1 or args.output_len < 1:
         parser.error("need --num-prompts and --output-len >= 1")
     return args
@@ -337,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     summary.update(structured)
     summary |= machine.identity()
+    summary |= {"tensor_parallel_size": args.tensor_parallel_size,
+                "pipeline_parallel_size": args.pipeline_parallel_size}  # fmt: skip
     print(machine.describe())
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))

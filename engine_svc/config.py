@@ -26,6 +26,16 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # budget for weights+activations+KV
     gpu_memory_utilization: float = 0.9
     max_concurrent_batches: int = 1  # >1: the executor pipelines batches (batch queue)
+    # Worker processes: tensor_parallel_size x pipeline_parallel_size (1 x 1: one worker,
+    # in the engine-core process), spread evenly over nnodes machines. They join over
+    # torch.distributed at master_addr:master_port (0: a free one; one machine only); workers
+    # on other machines reach the executor on node 0 at the next ports (executor_ports).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
     fail_after_steps: int | None = None  # test hook: the forward raises after N steps
@@ -41,6 +51,25 @@ class EngineConfig:
             _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]")
         _check(self.max_concurrent_batches >= 1, "max_concurrent_batches", "must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        _check(0 <= self.master_port < 65536, "master_port", "must be a port number or 0")
+        _check(self.nnodes >= 1, "nnodes", "must be >= 1")
+        _check(0 <= self.node_rank < self.nnodes, "node_rank", "must be in [0, nnodes)")
+        if self.nnodes > 1:
+            _check(self.world_size % self.nnodes == 0, "nnodes", "must divide the worker ranks")
+            _check(self.master_port > 0, "master_port", "must be given with nnodes > 1")
+            _check(self.master_port + 2 < 65536, "master_port", "needs the next two ports too")
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def node_ranks(self, node: int) -> range:
+        """The worker ranks machine `node` runs."""
+        per_node = self.world_size // self.nnodes
+        return range(node * per_node, (node + 1) * per_node)
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs|priority")
 
 

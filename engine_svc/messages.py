@@ -77,6 +77,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # sampled this step
+    num_batches_in_flight: int = 0  # in the executor after this step (the batch queue)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

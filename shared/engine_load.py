@@ -16,6 +16,8 @@ class RankLoad(msgspec.Struct, array_like=True):
     num_waiting: int
     kv_cache_usage: float  # fraction of KV blocks in use, 0..1
     num_free_kv_blocks: int
+    num_batches_in_flight: int = 0  # in the executor now (pipeline parallelism: up to PP)
+    max_batches_in_flight: int = 0  # the most at once since the engine started
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,12 +41,13 @@ def stop_with_parent(signum: signal.Signals = signal.SIGTERM) -> None:
 
 
 def _signal_when_gone(parent: int, signum: signal.Signals) -> None:
-    _wait_until_gone(parent)
+    wait_until_gone(parent)
     logger.warning("the launcher (pid %d) is gone: stopping", parent)
     os.kill(os.getpid(), signum)
 
 
-def _wait_until_gone(parent: int) -> None:
+def wait_until_gone(parent: int) -> None:
+    """Return once `parent`, this process's parent, has exited."""
     if os.getppid() != parent:
         return  # gone already: this process was handed to another parent
     try:

@@ -57,7 +57,11 @@ class EngineCore:
         self.executor = executor
         self.executor_failed: BaseException | None = None
         self.executor.register_failure_callback(self._on_executor_failure)
-        self.kv_plan = self._initialize_kv_caches(max_batched)
+        try:
+            self.kv_plan = self._initialize_kv_caches(max_batched)
+        except BaseException:
+            self.executor.shutdown()  # its workers may be processes of their own
+            raise
 
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -77,9 +81,11 @@ class EngineCore:
             config.model, self.spec.vocab_size, list(self.spec.eos_token_ids)
         )
         self.batch_queue: deque[tuple[Future[RunnerResult], SchedulerOutput]] = deque()
+        # Pipeline parallelism sets the executor's own limit: one batch per stage.
         self.step_fn = (
-            self.step if config.max_concurrent_batches == 1 else self.step_with_batch_queue
+            self.step if executor.max_concurrent_batches == 1 else self.step_with_batch_queue
         )
+        self.max_batches_in_flight = 0
         self._aborts_in_flight: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
         self._paused = False
@@ -93,7 +99,7 @@ class EngineCore:
         )
         plans = [
             plan_kv_cache(
-                budget_bytes=self._memory_budget(worker),
+                budget_bytes=self._memory_budget(worker, len(workers)),
                 weight_bytes=worker.weight_bytes,
                 activation_bytes=worker.activation_bytes,
                 bytes_per_block=worker.kv_bytes_per_block,
@@ -109,13 +115,17 @@ class EngineCore:
         logger.info("%s", plan.describe())
         return plan
 
-    def _memory_budget(self, worker: WorkerMemory) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
+    def _memory_budget(self, worker: WorkerMemory, num_workers: int) -> int:
+        """A worker's budget: on a GPU, of that GPU's memory; on CPU, an equal part of the
+        engine's (the workers share the host's memory)."""
         if worker.device_type == "cuda":
+            if self.config.kv_cache_memory_bytes is not None:
+                return self.config.kv_cache_memory_bytes
             return int(worker.device_total_bytes * self.config.gpu_memory_utilization)
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes // num_workers
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4)
+        return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4) // num_workers
 
     # ---- requests --------------------------------------------------------------------
 
@@ -181,6 +191,7 @@ class EngineCore:
             return self._collect([]), False
         scheduler_output = self.scheduler.schedule()
         future = self.executor.execute_model(scheduler_output)
+        self.max_batches_in_flight = max(self.max_batches_in_flight, 1)
         grammar = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
         self.overlap_forward(scheduler_output)
         runner_output = self._sampled(future.result(), grammar)
@@ -194,6 +205,7 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 queue.appendleft((self.executor.execute_model(scheduler_output), scheduler_output))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
                 if len(queue) < self.executor.max_concurrent_batches:
                     return self._collect([]), True
             elif scheduler_output.freed_request_ids:
@@ -246,6 +258,7 @@ class EngineCore:
         stats = self.scheduler.make_stats(
             num_generation_tokens=sum(len(o.new_token_ids) for o in outputs)
         )
+        stats.num_batches_in_flight = len(self.batch_queue)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 
     def _on_executor_failure(self, error: BaseException) -> None:

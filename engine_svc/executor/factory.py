@@ -5,15 +5,23 @@ from __future__ import annotations
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.distributed.layout import ParallelLayout
 from engine_svc.executor.base import Executor
 from engine_svc.executor.uniproc import UniProcExecutor
 from engine_svc.models.model_spec import ModelSpec
+from engine_svc.models.sharding import check_divisible
 
 
 def build_executor(
     config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> Executor:
-    """The executor the config asks for: today one worker in this process."""
+    """Worker processes for tensor or pipeline parallelism, else one worker in this process."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from engine_svc.executor.multiproc import MultiprocExecutor
+
+        layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        check_divisible(spec, layout)  # here, before any worker starts
+        return MultiprocExecutor(config)
     return UniProcExecutor(
         config.model,
         spec,

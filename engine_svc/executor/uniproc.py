@@ -17,6 +17,7 @@ import torch
 
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.executor.base import Executor, FailureCallback, RunnerResult, WorkerMemory
+from engine_svc.executor.memory import profile_worker_memory
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.host_memory import keep_freed_activations
 from engine_svc.worker.model_runner import ModelRunner
@@ -24,11 +25,6 @@ from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, Pending
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-# CPU memory has no allocator statistics: the resident-set growth of a short forward catches
-# fixed costs, the runner's estimate covers the part that grows with the batch, and a
-# full-size forward would add seconds to each start.
-CPU_PROFILE_TOKENS = 128
 
 
 class UniProcExecutor(Executor):
@@ -62,29 +58,11 @@ class UniProcExecutor(Executor):
     def profile_memory(
         self, max_batched_tokens: int, max_num_seqs: int, measure: bool
     ) -> list[WorkerMemory]:
-        runner = self.runner
-        activation = 0
-        if measure:
-            num_seqs = min(max_num_seqs, max_batched_tokens)
-            profile_tokens = max_batched_tokens
-            if runner.device.type == "cpu":
-                profile_tokens = min(max_batched_tokens, CPU_PROFILE_TOKENS)
-            measured = self._run_on_worker(
-                runner.profile_activation_bytes, profile_tokens, min(num_seqs, profile_tokens)
+        return [
+            self._run_on_worker(
+                profile_worker_memory, self.runner, max_batched_tokens, max_num_seqs, measure
             )
-            estimated = runner.estimate_activation_bytes(max_batched_tokens, num_seqs)
-            activation = max(measured, estimated)
-        total = 0
-        if runner.device.type == "cuda":
-            total = torch.cuda.get_device_properties(runner.device).total_memory
-        memory = WorkerMemory(
-            device_type=runner.device.type,
-            device_total_bytes=total,
-            weight_bytes=runner.weight_bytes,
-            activation_bytes=activation,
-            kv_bytes_per_block=runner.kv_bytes_per_block(),
-        )
-        return [memory]
+        ]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._run_on_worker(self.runner.allocate_kv_cache, num_blocks)
@@ -93,9 +71,14 @@ class UniProcExecutor(Executor):
         self._failure_callback = callback
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[RunnerResult]:
-        future = self._pool.submit(self.runner.execute_model, scheduler_output)
+        future = self._pool.submit(self._execute_model, scheduler_output)
         future.add_done_callback(self._check_failure)
         return future
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> RunnerResult:
+        result = self.runner.execute_model(scheduler_output)
+        assert result is not None, "a single worker samples"
+        return result
 
     def sample_tokens(
         self, pending: PendingSample, grammar: GrammarBitmask | None

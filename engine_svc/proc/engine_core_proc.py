@@ -179,6 +179,8 @@ class EngineCoreProc(EngineCore):
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=pool.usage,
             num_free_kv_blocks=pool.num_free_blocks,
+            num_batches_in_flight=len(self.batch_queue),
+            max_batches_in_flight=self.max_batches_in_flight,
         )
 
     # ---- shutdown --------------------------------------------------------------------

@@ -144,6 +144,8 @@ def to_loads_response(loads: list[RankLoad]) -> pb.GetLoadsResponse:
                 num_waiting=load.num_waiting,
                 kv_cache_usage=load.kv_cache_usage,
                 num_free_kv_blocks=load.num_free_kv_blocks,
+                num_batches_in_flight=load.num_batches_in_flight,
+                max_batches_in_flight=load.max_batches_in_flight,
             )
             for rank, load in enumerate(loads)
         ]

@@ -36,6 +36,7 @@ class EngineStatsMetrics:
         self._prompt_tokens = catalog.PROMPT_TOKENS.counter(registry)
         self._generation_tokens = catalog.GENERATION_TOKENS.counter(registry)
         self._iteration_tokens = catalog.ITERATION_TOKENS.histogram(registry)
+        self._batches_in_flight = catalog.NUM_BATCHES_IN_FLIGHT.gauge(registry)
         self._last: dict[int, SchedulerStats] = {}
         for rank in range(num_ranks):
             self.record(rank, SchedulerStats())
@@ -45,6 +46,7 @@ class EngineStatsMetrics:
         self._running.labels(*labels).set(stats.num_running_reqs)
         self._waiting.labels(*labels).set(stats.num_waiting_reqs)
         self._kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
+        self._batches_in_flight.labels(*labels).set(stats.num_batches_in_flight)
         # The engine's prefix-cache and preemption counts are cumulative: export the growth.
         last = self._last.get(rank, SchedulerStats())
         self._last[rank] = stats

@@ -89,7 +89,12 @@ def to_engine_load(response: pb.GetLoadsResponse) -> EngineLoad:
     return EngineLoad(
         tuple(
             RankLoad(
-                rank.num_running, rank.num_waiting, rank.kv_cache_usage, rank.num_free_kv_blocks
+                rank.num_running,
+                rank.num_waiting,
+                rank.kv_cache_usage,
+                rank.num_free_kv_blocks,
+                rank.num_batches_in_flight,
+                rank.max_batches_in_flight,
             )
             for rank in response.loads
         )

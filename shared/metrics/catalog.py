@@ -117,6 +117,11 @@ ITERATION_TOKENS = _histogram(
     "Histogram of number of tokens per engine_step.",
     ITERATION_TOKENS_BUCKETS,
 )
+# Not vLLM's: the batch queue of pipeline parallelism.
+NUM_BATCHES_IN_FLIGHT = _gauge(
+    "duoserve_num_batches_in_flight",
+    "Batches the executor runs at once (up to the pipeline-parallel size).",
+)
 ENGINE_METRICS = (
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
@@ -127,6 +132,7 @@ ENGINE_METRICS = (
     PROMPT_TOKENS,
     GENERATION_TOKENS,
     ITERATION_TOKENS,
+    NUM_BATCHES_IN_FLIGHT,
 )
 
 # ---- per request --------------------------------------------------------------------------

@@ -107,7 +107,9 @@ def test_the_kv_cache_is_sized_for_the_tightest_worker(tiny_model_dir: Path) -> 
     tight = WorkerMemory("cpu", 0, weight_bytes=1 << 20, activation_bytes=0,
                          kv_bytes_per_block=4 << 10)  # fmt: skip
     executor = FakeExecutor(BLOCK_SIZE, workers=[roomy, tight])
-    budget = (1 << 20) + 100 * (4 << 10)  # the weights and 100 of the tight worker's blocks
+    # On CPU the workers split the engine's budget: each gets the weights and 100 of the
+    # tight worker's blocks.
+    budget = 2 * ((1 << 20) + 100 * (4 << 10))
     core = _core(tiny_model_dir, executor, num_kv_blocks=None, kv_cache_memory_bytes=budget)
     assert core.kv_plan.num_blocks == executor.allocated_blocks
     assert core.kv_plan.num_blocks <= 100 < 400  # the roomy worker alone would take 400
