@@ -193,3 +193,50 @@ def test_a_paused_engine_runs_no_forward_until_resumed(config: EngineConfig) -> 
         proc.shutdown()
     assert _finished(io) == {"paused": FinishReason.LENGTH}
     assert proc.num_forwards == 12  # one token a forward: nothing was skipped or repeated
+
+
+class ClockedEngineCoreProc(EngineCoreProc):
+    """Reads the time from a clock the test moves: `advance_at` forward -> `advance_s`."""
+
+    def __init__(self, config: EngineConfig, io: EngineIO, clock: list[float],
+                 advance_at: int, advance_s: float) -> None:  # fmt: skip
+        self.clock, self.advance_at, self.advance_s = clock, advance_at, advance_s
+        self.num_forwards = 0
+        super().__init__(config, io)
+
+    def overlap_forward(self, scheduler_output: SchedulerOutput) -> None:
+        self.num_forwards += 1
+        if self.num_forwards == self.advance_at:
+            self.clock[0] += self.advance_s
+        super().overlap_forward(scheduler_output)
+
+
+@pytest.mark.parametrize(("advance_s", "expected"), [(0.0, FinishReason.LENGTH),
+                                                      (31.0, FinishReason.ABORT)])  # fmt: skip
+def test_a_drain_finishes_in_flight_requests_until_its_deadline_then_aborts_the_rest(
+    config: EngineConfig, monkeypatch: pytest.MonkeyPatch, advance_s: float, expected: FinishReason
+) -> None:
+    """SHUTDOWN with a 30 s drain: requests keep running while the engine's clock stays
+    within it; once the clock passes it (at the third forward), what is left is aborted
+    and the loop ends. The clock is the test's, so no step's speed matters."""
+    import engine_svc.proc.engine_core_proc as engine_core_proc
+
+    clock = [1000.0]
+    fake_time = type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])})
+    monkeypatch.setattr(engine_core_proc, "time", fake_time)
+    io = RecordingIO()
+    proc = ClockedEngineCoreProc(config, io, clock, advance_at=3, advance_s=advance_s)
+    for request_id in ("a", "b"):
+        io.input_queue.put(_add(request_id, max_tokens=40))
+    io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(30.0)))
+    try:
+        proc.run_busy_loop()
+    finally:
+        proc.shutdown()
+    assert _finished(io) == {"a": expected, "b": expected}
+    outputs = [o for o in io.of_type(OutputType.OUTPUTS) if isinstance(o, EngineCoreOutputs)]
+    tokens = sum(len(output.new_token_ids) for batch in outputs for output in batch.outputs)
+    if expected == FinishReason.LENGTH:
+        assert tokens == 2 * 40
+    else:  # the forward during which the deadline passed was the last: its tokens count
+        assert (proc.num_forwards, tokens) == (3, 2 * 3)
