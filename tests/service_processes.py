@@ -168,25 +168,27 @@ class ServiceProcess:
                 return self.settled_generation_tokens() - before
         raise AssertionError(f"the request was done before the engine paused, {attempts} times")
 
-    def tokens_of_a_request_ended_early(
-        self, end_early: Callable[[int], int], asked: int, attempts: int = 3
-    ) -> int:
-        """The tokens this engine generated (its own count) for a request of `asked` tokens
-        that something outside the engine ends early where the engine must keep generating
-        for it to happen: a stop string (the frontend must see it), a client gone from smg
-        (the gateway notices a closed connection at its next write, so never while paused).
-        `end_early(count_before)` ends it and returns the engine's progress then,
-        `generation_tokens_total() - count_before`. On a loaded machine the tiny model can be
-        done before the end reaches it: such a reading (past half-way) shows nothing about
-        the abort and is taken again, `attempts` times at most."""
-        progress = 0
-        for _ in range(attempts):
-            before = self.settled_generation_tokens()
-            progress = end_early(before)
-            generated = self.settled_generation_tokens() - before
-            if progress < asked // 2:
-                return generated
-        raise AssertionError(f"the engine was always past half-way ({progress} of {asked})")
+    def generate_in_steps_until_idle(self, max_steps: int = 300, wait_s: float = 0.2) -> int:
+        """With generation paused and a request inside that something outside the engine
+        ends once it sees the tokens (a stop string the frontend finds, a gateway whose write
+        fails on its client's closed connection): lets the engine generate a few tokens at a
+        time (resume until its own count moves, pause again) and waits up to `wait_s` after
+        each step for the end to arrive (an abort reaches a paused engine), until the engine
+        holds no request. Returns the steps taken. How far the request gets then depends on
+        the steps its end took, not on how fast the machine generates meanwhile."""
+        for step in range(max_steps):
+            if self._idle_within(wait_s):
+                return step
+            before = self.generation_tokens_total()
+            self.resume()
+            try:
+                deadline = time.monotonic() + 30.0
+                while self.generation_tokens_total() == before and self.num_requests() > 0:
+                    assert time.monotonic() < deadline, "resumed, the engine made no token"
+                    time.sleep(0.002)
+            finally:
+                self.pause()
+        raise AssertionError(f"the engine still had requests after {max_steps} steps")
 
     def settled_generation_tokens(self, timeout_s: float = 30.0) -> int:
         """generation_tokens_total once the engine is idle and the count has stopped moving
@@ -202,10 +204,15 @@ class ServiceProcess:
         raise AssertionError(f"the engine's token count still moved after {timeout_s} s")
 
     def wait_idle(self, timeout_s: float) -> None:
+        assert self._idle_within(timeout_s), f"the engine still had requests after {timeout_s} s"
+
+    def _idle_within(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while self.num_requests() != 0:
-            assert time.monotonic() < deadline, f"the engine still had requests after {timeout_s} s"
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
+        return True
 
     def engine_pids(self) -> list[int]:
         """The spawned engine-core processes (not multiprocessing's resource tracker)."""

@@ -172,16 +172,28 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
 
     choices: list[pb.Choice] = []
 
-    async def stopped(before: int) -> int:
-        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
-            request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
-            response = await frontend_stub(channel).Generate(request, timeout=60)
-        choices.append(response.choices[0])
-        return await engine_progress(services.engine, before)
+    engine = services.engine
 
-    generated = services.engine.tokens_of_a_request_ended_early(
-        lambda before: run_async(lambda: stopped(before)), LONG_REQUEST_TOKENS
-    )
+    async def stopped() -> bool:
+        # The request arrives at a paused engine, which then generates a few tokens at a
+        # time until the frontend, seeing the stop string, has aborted it.
+        await asyncio.to_thread(engine.pause)
+        try:
+            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+                request = pb.GenerateRequest(prompt=prompt, sampling_params=params)
+                call = asyncio.ensure_future(frontend_stub(channel).Generate(request, timeout=60))
+                deadline = asyncio.get_running_loop().time() + 30
+                while await asyncio.to_thread(engine.num_requests) == 0:
+                    assert asyncio.get_running_loop().time() < deadline, "never reached the engine"
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(engine.generate_in_steps_until_idle)
+                response = await call
+        finally:
+            await asyncio.to_thread(engine.resume)
+        choices.append(response.choices[0])
+        return True
+
+    generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(stopped))
     choice = choices[-1]
     assert choice.text == reference.text[:cut]
     assert list(choice.token_ids) == list(reference.token_ids[:num_tokens])
@@ -213,10 +225,6 @@ def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> No
 
     generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(cancelled))
     assert generated < LONG_REQUEST_TOKENS, "the engine did not abort the cancelled request"
-
-
-async def engine_progress(engine: ServiceProcess, before: int) -> int:
-    return await asyncio.to_thread(engine.generation_tokens_total) - before
 
 
 def test_n_choices_use_consecutive_seeds_and_share_the_prompt_blocks(services: Services) -> None:
