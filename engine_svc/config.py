@@ -43,6 +43,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8..128")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs|priority")
         if self.max_model_len is not None:
             _check(self.max_model_len >= 2, "max_model_len", "must be >= 2")
         if self.max_num_batched_tokens is not None:
@@ -70,7 +71,6 @@ class EngineConfig:
         """The worker ranks machine `node` runs."""
         per_node = self.world_size // self.nnodes
         return range(node * per_node, (node + 1) * per_node)
-        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs|priority")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

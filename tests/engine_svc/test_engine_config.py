@@ -1,0 +1,46 @@
+"""EngineConfig refuses every bad option at construction, naming it, the way `LLM(...)` and
+the service's flags report it (`--scheduling-policy: ...`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine_svc.config import EngineConfig
+from shared.errors import InvalidRequestError
+
+BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
+    ({"block_size": 12}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ({"max_model_len": 1}, "max_model_len"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+    ({"master_port": 70000}, "master_port"),
+    ({"nnodes": 0}, "nnodes"),
+    ({"nnodes": 2, "node_rank": 2, "tensor_parallel_size": 2, "master_port": 29500}, "node_rank"),
+    ({"nnodes": 2, "tensor_parallel_size": 3, "master_port": 29500}, "nnodes"),
+    ({"nnodes": 2, "tensor_parallel_size": 2}, "master_port"),
+    ({"nnodes": 2, "tensor_parallel_size": 2, "master_port": 65534}, "master_port"),
+]
+
+
+@pytest.mark.parametrize(("options", "field"), BAD_OPTIONS)
+def test_a_bad_option_is_refused_by_name(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        EngineConfig(model="unused", **options)
+    assert refused.value.field == field
+
+
+def test_the_ranks_spread_evenly_over_the_nodes() -> None:
+    config = EngineConfig(
+        model="unused", tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
+        master_port=29500,
+    )  # fmt: skip
+    assert config.world_size == 4
+    assert [list(config.node_ranks(node)) for node in (0, 1)] == [[0, 1], [2, 3]]
