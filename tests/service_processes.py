@@ -38,6 +38,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def three_free_ports() -> int:
+    """A free port whose next two are free too (a multi-node engine's node 0 takes them)."""
+    for _ in range(100):
+        base = free_port()
+        if base + 2 < 65536 and all(_bindable(base + i) for i in (1, 2)):
+            return base
+    raise AssertionError("no three consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class ServiceProcess:
     # How the helpers below reach the service: plaintext unless a test serves TLS.
     credentials: grpc.ChannelCredentials | None = None

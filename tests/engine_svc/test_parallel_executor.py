@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,10 +32,10 @@ from tests.service_processes import (
     StreamResult,
     consume,
     engine_stub,
-    free_port,
     generate_request,
     run_async,
     start_service,
+    three_free_ports,
 )
 
 LAYOUTS = {
@@ -258,7 +257,7 @@ def test_two_nodes_on_loopback_give_the_single_workers_tokens(
     """Tensor parallelism over two "machines": node 0 serves and runs rank 0, node 1
     (`--node-rank 1`, workers only) runs rank 1 and takes its calls over TCP. When node 0
     stops, node 1's worker is told to leave and node 1 exits 0."""
-    port = _three_free_ports()
+    port = three_free_ports()
     layout = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port))
     node1_log = (tmp_path / "node1.log").open("wb")
     node1 = subprocess.Popen(
@@ -282,21 +281,3 @@ def test_two_nodes_on_loopback_give_the_single_workers_tokens(
         node1_log.close()
     for expected, got in zip(single_worker_steps, steps, strict=True):
         assert [token for token, _, _ in got] == [token for token, _, _ in expected]
-
-
-def _three_free_ports() -> int:
-    """A port whose next two are free too (node 0's executor takes them)."""
-    for _ in range(100):
-        base = free_port()
-        if base + 2 < 65536 and all(_bindable(base + i) for i in (1, 2)):
-            return base
-    raise AssertionError("no three consecutive free ports")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

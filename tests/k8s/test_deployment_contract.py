@@ -14,7 +14,7 @@ from tests.k8s.manifests import (
     OVERLAYS,
     REPO_ROOT,
     Manifest,
-    all_containers,
+    assert_locked_down,
     find,
     of_kind,
     pod_spec,
@@ -76,24 +76,7 @@ def _selects(selector: dict[str, str], deployment: Manifest) -> bool:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_are_locked_down(overlay: str, rendered: dict[str, list[Manifest]]) -> None:
     for deployment in of_kind(rendered[overlay], "Deployment"):
-        spec = pod_spec(deployment)
-        assert spec["automountServiceAccountToken"] is False
-        pod_security = spec["securityContext"]
-        assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] >= 10000
-        assert pod_security["seccompProfile"] == {"type": "RuntimeDefault"}
-        empty_dirs = {volume["name"] for volume in spec["volumes"] if "emptyDir" in volume}
-        for container in all_containers(deployment):
-            security = container["securityContext"]
-            assert security["allowPrivilegeEscalation"] is False, container["name"]
-            assert security["readOnlyRootFilesystem"] is True, container["name"]
-            assert security["capabilities"] == {"drop": ["ALL"]}, container["name"]
-            assert security["seccompProfile"] == {"type": "RuntimeDefault"}, container["name"]
-            for kind in ("requests", "limits"):
-                assert {"cpu", "memory"} <= set(container["resources"][kind]), container["name"]
-            # A read-only root needs a writable /tmp, and HOME there for library caches.
-            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-            assert mounts.get("/tmp") in empty_dirs, container["name"]
-            assert {"name": "HOME", "value": "/tmp"} in container["env"], container["name"]
+        assert_locked_down(pod_spec(deployment))
 
 
 @pytest.mark.parametrize("name", [ENGINE, FRONTEND])

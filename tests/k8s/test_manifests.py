@@ -14,18 +14,17 @@ import pytest
 from tests.k8s.cert_manager_schema import CERTIFICATE_SCHEMA, ISSUER_SCHEMA
 from tests.k8s.manifests import (
     K8S_DIR,
+    MULTINODE,
     OVERLAYS,
     TOOLS_BIN,
     Manifest,
+    kubernetes_validate,
     of_kind,
     run,
     tool,
 )
 from tests.k8s.servicemonitor_schema import SERVICE_MONITOR_SCHEMA
 
-# The oldest release the manifests claim (native gRPC probes are GA from 1.27) and the newest
-# schemas kubernetes-validate ships; both offline.
-KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")
 # Kinds that kubernetes-validate has no schema for, and what checks them instead.
 CRD_KINDS = {
     "ServiceMonitor": "test_service_monitor_matches_its_schema",
@@ -71,17 +70,9 @@ def test_overlay_builds(overlay: str, rendered: dict[str, list[Manifest]]) -> No
     } <= kinds
 
 
-def _kubernetes_validate(paths: list[Path]) -> tuple[int, list[str]]:
-    args = [tool("kubernetes-validate"), "--strict", "--quiet"]
-    for version in KUBERNETES_VERSIONS:
-        args += ["-k", version]
-    result = run(args + [str(path) for path in paths], 120)
-    return result.returncode, (result.stdout + result.stderr).splitlines()
-
-
 def test_kubernetes_validate_strict(rendered_dir: Path) -> None:
-    paths = [rendered_dir / f"{overlay}.yaml" for overlay in OVERLAYS]
-    returncode, lines = _kubernetes_validate(paths)
+    paths = [rendered_dir / f"{overlay}.yaml" for overlay in (*OVERLAYS, MULTINODE)]
+    returncode, lines = kubernetes_validate(paths)
     errors = [line for line in lines if not line.startswith("WARN")]
     assert returncode == 0 and not errors, "\n".join(lines)
     # kubernetes-validate only warns about kinds it has no schema for (a misspelt apiVersion
@@ -93,7 +84,7 @@ def test_kubernetes_validate_strict(rendered_dir: Path) -> None:
 def test_kubernetes_validate_rejects_unknown_fields(tmp_path: Path) -> None:
     canary = tmp_path / "canary.yaml"
     canary.write_text(_UNKNOWN_FIELD)
-    returncode, lines = _kubernetes_validate([canary])
+    returncode, lines = kubernetes_validate([canary])
     assert returncode != 0 and any("targetPortt" in line for line in lines), lines
 
 
@@ -125,10 +116,11 @@ def test_cert_manager_resources_match_their_schemas(rendered: dict[str, list[Man
 
 
 def test_checkov(rendered_dir: Path, tmp_path: Path) -> None:
-    """One checkov run over both rendered overlays, both Dockerfiles and two canaries."""
+    """One checkov run over the rendered overlays (multinode's group as Pods), both
+    Dockerfiles and two canaries."""
     scan = tmp_path / "scan"
     scan.mkdir()
-    for overlay in OVERLAYS:
+    for overlay in (*OVERLAYS, MULTINODE):
         shutil.copy(rendered_dir / f"{overlay}.yaml", scan / f"{overlay}.yaml")
     for dockerfile in (K8S_DIR / "docker").glob("*.Dockerfile"):
         shutil.copy(dockerfile, scan / dockerfile.name)
@@ -153,7 +145,7 @@ def test_checkov(rendered_dir: Path, tmp_path: Path) -> None:
         passed |= {Path(check["file_path"]).name for check in report["results"]["passed_checks"]}
     canaries = {name: failed.pop(name, set()) for name in ("canary.yaml", "canary.Dockerfile")}
     assert not failed, f"checkov failures (fix, or skip with a reason in {config}): {failed}"
-    scanned = {f"{overlay}.yaml" for overlay in OVERLAYS} | {
+    scanned = {f"{overlay}.yaml" for overlay in (*OVERLAYS, MULTINODE)} | {
         "engine.Dockerfile",
         "frontend.Dockerfile",
     }

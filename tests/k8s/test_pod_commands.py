@@ -7,106 +7,28 @@ probes."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
-from tests.k8s.manifests import REPO_ROOT, Manifest, find, of_kind, pod_spec
+from tests.k8s.manifests import REPO_ROOT, Manifest, find, pod_spec
+from tests.k8s.pod_runs import (
+    EXIT_SLACK_S,
+    START_TIMEOUT_S,
+    command_of,
+    running,
+    stop,
+    wait_serving,
+)
 from tests.service_processes import free_port
 from tests.shared.tls_certs import make_authority
-
-START_TIMEOUT_S = 300.0
-EXIT_SLACK_S = 15.0
-_VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def _environment(manifests: list[Manifest], container: Manifest) -> dict[str, str]:
-    values: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        name = source["configMapRef"]["name"]
-        values.update(
-            next(
-                m["data"] for m in of_kind(manifests, "ConfigMap") if m["metadata"]["name"] == name
-            )
-        )
-    values.update({variable["name"]: variable["value"] for variable in container.get("env", [])})
-    return values
-
-
-def _command(
-    manifests: list[Manifest], deployment_name: str, overrides: dict[str, str]
-) -> tuple[list[str], dict[str, str]]:
-    """The container's args with $(VAR)s expanded, some flags replaced; and its environment."""
-    container = pod_spec(find(manifests, "Deployment", deployment_name))["containers"][0]
-    environment = _environment(manifests, container)
-    args = []
-    for arg in container["args"]:
-        flag, equals, value = arg.partition("=")
-        if not equals:
-            args.append(flag)  # a switch such as --no-request-metrics
-            continue
-        value = overrides.get(flag, _VARIABLE.sub(lambda m: environment[m.group(1)], value))
-        args.append(f"{flag}={value}")
-    return args, environment
-
-
-@contextlib.contextmanager
-def _running(
-    module: str, args: list[str], environment: dict[str, str], log: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=REPO_ROOT,
-            env={**os.environ, **environment},
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so teardown reaches the engine's own processes too
-        )
-    try:
-        yield process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
-def _wait_serving(address: str, service: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, (
-                f"exited {process.returncode}:\n{log.read_text()[-3000:]}"
-            )
-            with contextlib.suppress(grpc.RpcError):
-                request = health_pb2.HealthCheckRequest(service=service)
-                if stub.Check(request, timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.5)
-    pytest.fail(f"{service} not SERVING within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(process: subprocess.Popen[bytes], allowance_s: float, log: Path) -> None:
-    """SIGTERM, as the kubelet sends after preStop: exit 0 within the drain allowance."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        returncode = process.wait(timeout=allowance_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {allowance_s} s after SIGTERM:\n{log.read_text()[-3000:]}")
-    assert returncode == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.default_model
@@ -130,8 +52,8 @@ def test_pod_command_lines_serve_and_drain(
     cores = len(os.sched_getaffinity(0))
     engine_env["OMP_NUM_THREADS"] = str(min(int(engine_env["OMP_NUM_THREADS"]), cores))
     engine_log = tmp_path / "engine.log"
-    with _running("engine_svc", engine_args, engine_env, engine_log) as engine:
-        _wait_serving(f"127.0.0.1:{engine_port}", "engine.v1.EngineCoreService", engine, engine_log)
+    with running("engine_svc", engine_args, engine_env, engine_log) as engine:
+        wait_serving(f"127.0.0.1:{engine_port}", "engine.v1.EngineCoreService", engine, engine_log)
         if (REPO_ROOT / "frontend_svc" / "__main__.py").is_file():
             frontend_port = free_port()
             frontend_args, frontend_env = _command(
@@ -146,13 +68,18 @@ def test_pod_command_lines_serve_and_drain(
             )
             frontend_env["HOME"] = str(tmp_path)
             frontend_log = tmp_path / "frontend.log"
-            with _running("frontend_svc", frontend_args, frontend_env, frontend_log) as frontend:
+            with running("frontend_svc", frontend_args, frontend_env, frontend_log) as frontend:
                 address = f"127.0.0.1:{frontend_port}"
-                _wait_serving(address, "frontend.v1.GenerationService", frontend, frontend_log)
-                _stop(
-                    frontend, float(frontend_env["SHUTDOWN_GRACE_S"]) + EXIT_SLACK_S, frontend_log
-                )
-        _stop(engine, float(engine_env["SHUTDOWN_TIMEOUT_S"]) + EXIT_SLACK_S, engine_log)
+                wait_serving(address, "frontend.v1.GenerationService", frontend, frontend_log)
+                stop(frontend, float(frontend_env["SHUTDOWN_GRACE_S"]) + EXIT_SLACK_S, frontend_log)
+        stop(engine, float(engine_env["SHUTDOWN_TIMEOUT_S"]) + EXIT_SLACK_S, engine_log)
+
+
+def _command(
+    manifests: list[Manifest], deployment_name: str, overrides: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    container = pod_spec(find(manifests, "Deployment", deployment_name))["containers"][0]
+    return command_of(manifests, container, overrides)
 
 
 def _remapped(args: list[str], folders: dict[str, Path], port: int) -> list[str]:
@@ -221,7 +148,7 @@ def test_secure_pod_command_lines_serve_and_probe(
     )
     engine_env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1")
     engine_port = _port_of(engine_args)
-    with _running("engine_svc", engine_args, engine_env, logs["engine"]) as engine:
+    with running("engine_svc", engine_args, engine_env, logs["engine"]) as engine:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             command = engine_container[probe]["exec"]["command"]
             _probe(_remapped(command, files["engine"], engine_port), logs["engine"])
@@ -231,7 +158,7 @@ def test_secure_pod_command_lines_serve_and_probe(
         )  # fmt: skip
         frontend_env["HOME"] = str(tmp_path)
         frontend_port = _port_of(frontend_args)
-        with _running("frontend_svc", frontend_args, frontend_env, logs["frontend"]) as frontend:
+        with running("frontend_svc", frontend_args, frontend_env, logs["frontend"]) as frontend:
             for probe in ("startupProbe", "readinessProbe"):
                 command = frontend_container[probe]["exec"]["command"]
                 _probe(_remapped(command, files["frontend"], frontend_port), logs["frontend"])
@@ -248,8 +175,8 @@ def test_secure_pod_command_lines_serve_and_probe(
                     stub.Generate(request, timeout=60)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             grace_s = float(frontend_env["SHUTDOWN_GRACE_S"]) + EXIT_SLACK_S
-            _stop(frontend, grace_s, logs["frontend"])
-        _stop(engine, float(engine_env["SHUTDOWN_TIMEOUT_S"]) + EXIT_SLACK_S, logs["engine"])
+            stop(frontend, grace_s, logs["frontend"])
+        stop(engine, float(engine_env["SHUTDOWN_TIMEOUT_S"]) + EXIT_SLACK_S, logs["engine"])
 
 
 def _port_of(args: list[str]) -> int:
