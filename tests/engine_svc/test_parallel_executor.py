@@ -155,12 +155,17 @@ def test_a_killed_process_ends_every_stream_unavailable_and_leaves_no_worker(
                 ]
                 while service.num_requests() < len(results):
                     await asyncio.sleep(0.05)
+                killed_at.append(time.monotonic())
                 os.kill(target, signal.SIGKILL)
                 await asyncio.gather(*tasks)
                 return results
 
+        killed_at: list[float] = []
         results = run_async(body, timeout_s=120)
         assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE] * len(results)
+        # Reported, not asserted (a loaded machine may be slower): the issue asks for 2 s.
+        ended = max(r.ended_at or 0.0 for r in results) - killed_at[0]
+        print(f"kill -9 of the {victim}: every stream ended UNAVAILABLE {ended:.2f} s later")
         assert service.health() == NOT_SERVING
         assert service.wait_exit(timeout_s=30) != 0
         _wait_gone([*workers, engine_core], timeout_s=30)
