@@ -16,7 +16,7 @@ CHECKOV_LOCK := k8s/tools/checkov-requirements.txt
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[convert,dev]'
+	$(PY) -m pip install --quiet -e '.[bench,convert,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -111,8 +111,10 @@ run-engine: $(GEN_STAMP) $(KERNEL_STAMP)
 run-frontend: $(GEN_STAMP)
 	$(PY) -m frontend_svc $(ARGS)
 
+# The default model; BENCH_MODE=serve goes through the frontend's API (engine_svc/bench/).
+BENCH_MODE ?= offline
 bench: $(GEN_STAMP) $(KERNEL_STAMP)
-	$(PY) -m engine_svc.bench --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
+	$(PY) -m engine_svc.bench $(BENCH_MODE) --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
 
 # Both services under steady mixed load for SOAK_MINUTES (10) with SOAK_CONCURRENCY (16)
 # clients: fails on any unexpected error, a leaked KV block, or memory growth over 5%.

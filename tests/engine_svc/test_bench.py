@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine_svc import bench_machine
+from engine_svc.bench import machine as bench_machine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,3 +39,38 @@ def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) 
     if capped:  # every system ran held to AVX2: torch, and our kernels' build
         assert "(capped: avx2)" in done.stdout
         assert summary["kernel_level"] == "x86-64-v3 (avx2)"
+
+
+def test_bench_serve_sweeps_through_the_started_services(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`bench serve` starts both services, streams the shared-prefix workload through the
+    frontend at two concurrencies, and reports every figure: exact token counts, the prefix
+    cache emptied between runs and hit within one, a JSON file and a PNG."""
+    result, plot = tmp_path / "result.json", tmp_path / "sweep.png"
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "serve", "--model", str(tiny_model_dir),
+        "--dataset", "shared-prefix", "--num-groups", "2", "--num-prompts", "6",
+        "--prefix-len", "32", "--suffix-len", "8", "--output-len", "5",
+        "--max-concurrency", "6,1", "--engine-arg=--num-kv-blocks=256", "--skip-ceilings",
+        "--no-progress", "--result-file", str(result), "--plot", str(plot),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(result.read_text())
+    assert summary["mode"] == "serve" and summary["cpu_model"] == bench_machine.cpu_model()
+    concurrent, sequential = summary["runs"]
+    assert (concurrent["max_concurrency"], sequential["max_concurrency"]) == (6, 1)
+    for run in (sequential, concurrent):
+        assert (run["completed"], run["failed"]) == (6, 0)
+        assert run["total_output_tokens"] == 6 * 5 and run["total_input_tokens"] == 6 * 40
+        assert 0 < run["median_ttft_ms"] <= run["median_e2el_ms"]
+        assert run["output_throughput"] > 0 and run["mean_itl_ms"] > 0
+    # One at a time, each group's later requests find its two 16-token prefix blocks cached
+    # (2 groups x 2 later requests x 32 tokens), its first does not: the cache was emptied
+    # after the concurrent run, which had cached both prefixes.
+    assert sequential["cached_input_tokens"] == 2 * 2 * 32
+    assert "Successful requests:" in done.stdout and f"machine: {bench_machine.cpu_model()}" in (
+        done.stdout
+    )
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,9 +1,9 @@
 """Offline benchmark: our engine against Hugging Face `generate` on the same weights and
 prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
 
-    python -m engine_svc.bench --model DIR [--skip-hf] [--rounds N] [--isa avx2]
+    python -m engine_svc.bench [offline] --model DIR [--skip-hf] [--rounds N] [--isa avx2]
 
-Each system runs in a process of its own (bench_worker.py), so neither inherits the other's
+Each system runs in a process of its own (worker.py), so neither inherits the other's
 threads, allocator settings or warm memory: our engine tunes glibc malloc for its process,
 and Hugging Face is measured as its users run it. The two are then alternated, round after
 round (batch, then one request alone), and the figures are medians: per system, and for
@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_svc import bench_ceiling as ceiling
-from engine_svc import bench_machine as machine
-from engine_svc.bench_worker import Worker, serve
+from engine_svc.bench import ceiling, machine
+from engine_svc.bench.worker import Worker, serve
 
 SINGLE_PROMPT_LEN = 128
 NUM_TTFT_TRIALS = 3
@@ -257,7 +256,7 @@ def print_table(summary: Summary, dtype: str) -> None:
 def measure_structured(args: argparse.Namespace) -> Summary:
     """Engine steps per second with 32 JSON-schema requests against 32 free ones."""
     from engine_svc import LLM
-    from engine_svc.bench_structured import compare
+    from engine_svc.bench.structured import compare
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_kv_blocks=1024)
     try:
@@ -273,7 +272,9 @@ def measure_structured(args: argparse.Namespace) -> Summary:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_svc.bench [offline]", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.system is not None:
         _run_here(args)
         return
-    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", *args.argv])
+    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "offline", *args.argv])
     structured = {} if args.skip_structured else _in_subprocess(args, "structured")
     workers: dict[str, Worker] = {}
     try:  # started one after the other, so that each start-up is timed alone
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _command(args: argparse.Namespace, system: str) -> list[str]:
-    return [sys.executable, "-m", "engine_svc.bench", *args.argv, "--system", system]
+    return [sys.executable, "-m", "engine_svc.bench", "offline", *args.argv, "--system", system]
 
 
 def _in_subprocess(args: argparse.Namespace, system: str) -> dict[str, Any]:
@@ -385,7 +386,3 @@ def _run_here(args: argparse.Namespace) -> None:
     else:
         system = functools.partial(hf_system, args)
     serve(system, workload.prompts, workload.single_prompt, workload.output_len)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,20 @@
+"""`python -m engine_svc.bench [MODE] ...`: `offline` (the default: our engine against
+Hugging Face `generate` on the same prompts) or `serve` (through the frontend's gRPC API).
+`python -m engine_svc.bench MODE --help` lists a mode's options."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+MODES = {"offline": "engine_svc.bench.offline", "serve": "engine_svc.bench.serve"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    mode = args.pop(0) if args and args[0] in MODES else "offline"
+    importlib.import_module(MODES[mode]).main(args)
+
+
+if __name__ == "__main__":
+    main()

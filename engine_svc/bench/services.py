@@ -1,0 +1,102 @@
+"""The engine and frontend services for a serving benchmark, started as their users start
+them (`python -m engine_svc`, `python -m frontend_svc`) on free 127.0.0.1 ports, their logs
+in a folder, stopped with SIGTERM (a drain) when the benchmark is done."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Addresses:
+    frontend: str  # HOST:PORT of frontend.v1.GenerationService
+    engine: str | None  # HOST:PORT of engine.v1.EngineCoreService, when known
+
+
+@contextlib.contextmanager
+def started(
+    model: str, engine_args: list[str], log_dir: Path, timeout_s: float
+) -> Iterator[Addresses]:
+    """Both services; yields once the frontend is SERVING (it waits for the engine)."""
+    engine_port, frontend_port = _free_port(), _free_port()
+    engine = _start(
+        "engine_svc", log_dir / "engine.log", "--model", model, "--port", str(engine_port),
+        "--metrics-port", str(_free_port()), *engine_args,
+    )  # fmt: skip
+    processes = [engine]
+    try:
+        frontend = _start(
+            "frontend_svc", log_dir / "frontend.log", "--engine", f"127.0.0.1:{engine_port}",
+            "--port", str(frontend_port), "--metrics-port", str(_free_port()),
+        )  # fmt: skip
+        processes.append(frontend)
+        address = f"127.0.0.1:{frontend_port}"
+        wait_serving(address, "frontend.v1.GenerationService", processes, timeout_s, log_dir)
+        yield Addresses(frontend=address, engine=f"127.0.0.1:{engine_port}")
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+
+
+def wait_serving(
+    address: str,
+    service: str,
+    processes: list[subprocess.Popen[bytes]],
+    timeout_s: float,
+    log_dir: Path | None = None,
+) -> None:
+    """Until the health service says SERVING; a process that exits, or the timeout, fails."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for process in processes:
+                if process.poll() is not None:
+                    where = f"; logs in {log_dir}" if log_dir else ""
+                    raise RuntimeError(f"{process.args!r} exited {process.returncode}{where}")
+            with contextlib.suppress(grpc.RpcError):
+                request = health_pb2.HealthCheckRequest(service=service)
+                if stub.Check(request, timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"{service} at {address} not SERVING within {timeout_s} s")
+
+
+def _start(module: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--host", "127.0.0.1", *args],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the engine's processes go with it
+        )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=STOP_TIMEOUT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,100 @@
+"""The serving benchmark's parts on data the test controls: the workloads (lengths, shared
+prefixes, a JSON-lines file, arrival times) and the figures computed from streams whose
+timings the test writes (vLLM `bench serve`'s definitions)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_svc.bench.metrics import RequestRecord, format_table, summarize
+from engine_svc.bench.workload import (
+    arrival_gaps,
+    jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+)
+from shared.errors import InvalidRequestError
+
+
+def test_random_prompts_are_seeded_within_their_range_with_exact_outputs() -> None:
+    requests = random_requests(200, 100, 7, 0.5, vocab_size=50, seed=3)
+    lengths = [len(r.prompt_token_ids or []) for r in requests]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 20
+    assert {r.output_len for r in requests} == {7}
+    assert all(0 <= t < 50 for r in requests for t in r.prompt_token_ids or [])
+    assert requests == random_requests(200, 100, 7, 0.5, vocab_size=50, seed=3)
+    assert requests != random_requests(200, 100, 7, 0.5, vocab_size=50, seed=4)
+    with pytest.raises(InvalidRequestError) as refused:
+        random_requests(1, 10, 1, 1.0, vocab_size=50, seed=0)
+    assert refused.value.field == "range_ratio"
+
+
+def test_shared_prefix_groups_share_their_system_prompt_and_interleave() -> None:
+    requests = shared_prefix_requests(3, 4, prefix_len=32, suffix_len=5, output_len=2,
+                                      vocab_size=1000, seed=0)  # fmt: skip
+    assert len(requests) == 12
+    prompts = [r.prompt_token_ids or [] for r in requests]
+    assert all(len(p) == 37 for p in prompts)
+    for i, prompt in enumerate(prompts):  # request i belongs to group i % 3
+        assert prompt[:32] == prompts[i % 3][:32]
+        assert prompt[:32] != prompts[(i + 1) % 3][:32]
+    assert len({tuple(p[32:]) for p in prompts}) == 12
+
+
+def test_a_jsonl_dataset_takes_text_or_ids_and_names_a_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Hello"}\n\n{"prompt_token_ids": [1, 2], "output_len": 9}\n')
+    first, second = jsonl_requests(path, output_len=4, limit=None)
+    assert (first.prompt, first.prompt_token_ids, first.output_len) == ("Hello", None, 4)
+    assert (second.prompt, second.prompt_token_ids, second.output_len) == (None, [1, 2], 9)
+    assert len(jsonl_requests(path, output_len=4, limit=1)) == 1
+    for bad, where in (('{"prompt": "a"}\n{oops\n', ":2:"), ('{"output_len": 3}\n', ":1:"),
+                       ("\n", "no prompts")):  # fmt: skip
+        path.write_text(bad)
+        with pytest.raises(InvalidRequestError) as refused:
+            jsonl_requests(path, output_len=4, limit=None)
+        assert refused.value.field == "dataset" and where in refused.value.message
+
+
+def test_arrivals_all_at_once_poisson_or_bursty_at_the_same_mean_rate() -> None:
+    assert list(arrival_gaps(5, math.inf, 1.0, seed=0)) == [0.0] * 5
+    poisson = np.array(list(arrival_gaps(20000, 4.0, 1.0, seed=1)))
+    bursty = np.array(list(arrival_gaps(20000, 4.0, 0.25, seed=1)))
+    for gaps in (poisson, bursty):
+        assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+    # Exponential gaps have a coefficient of variation of 1; gamma of shape k, 1/sqrt(k).
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.05)
+    for field, args in (("request_rate", (0.0, 1.0)), ("burstiness", (1.0, 0.0))):
+        with pytest.raises(InvalidRequestError) as refused:
+            list(arrival_gaps(1, *args, seed=0))
+        assert refused.value.field == field
+
+
+def test_figures_follow_the_definitions() -> None:
+    # Sent at 0: chunks at 0.1 (1 token), 0.3 (2 tokens), 0.4 (1 token): 4 tokens.
+    first = RequestRecord(sent_at=0.0, chunk_times=[0.1, 0.3, 0.4], output_tokens=4,
+                          prompt_tokens=10, cached_tokens=0)  # fmt: skip
+    # Sent at 0.2: one chunk at 0.5 with 1 token: no TPOT, no ITL.
+    second = RequestRecord(sent_at=0.2, chunk_times=[0.5], output_tokens=1, prompt_tokens=6,
+                           cached_tokens=4)  # fmt: skip
+    failed = RequestRecord(sent_at=0.3, error="UNAVAILABLE: gone")
+    summary = summarize([first, second, failed])
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["duration_s"] == pytest.approx(0.5)  # first send to last chunk
+    assert summary["total_output_tokens"] == 5 and summary["total_input_tokens"] == 16
+    assert summary["cached_input_tokens"] == 4
+    assert summary["request_throughput"] == pytest.approx(4.0)
+    assert summary["output_throughput"] == pytest.approx(10.0)
+    assert summary["total_token_throughput"] == pytest.approx(42.0)
+    assert summary["mean_ttft_ms"] == pytest.approx(200.0)  # 100 and 300
+    assert summary["median_ttft_ms"] == pytest.approx(200.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(100.0)  # (400 - 100) / 3, one request
+    assert summary["mean_itl_ms"] == pytest.approx(150.0)  # 200 and 100
+    assert summary["p99_e2el_ms"] == pytest.approx(400.0 - 0.01 * 100.0)
+    assert "Mean TTFT (ms):" in format_table(summary, "t")
+    assert summarize([failed]) == {"completed": 0, "failed": 1}
