@@ -1,5 +1,6 @@
 """`python -m engine_svc.bench [MODE] ...`: `offline` (the default: our engine against
-Hugging Face `generate` on the same prompts) or `serve` (through the frontend's gRPC API).
+Hugging Face `generate` on the same prompts), `serve` (through the frontend's gRPC API) or
+`openai` (any OpenAI-compatible server's streaming completions).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -7,7 +8,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODES = {"offline": "engine_svc.bench.offline", "serve": "engine_svc.bench.serve"}
+MODES = {
+    "offline": "engine_svc.bench.offline",
+    "serve": "engine_svc.bench.serve",
+    "openai": "engine_svc.bench.openai_api",
+}
 
 
 def main(argv: list[str] | None = None) -> None:

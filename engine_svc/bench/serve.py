@@ -17,32 +17,30 @@ them all as JSON.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import itertools
-import json
 import math
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
-import torch
-from tqdm import tqdm
 
-from engine_svc.bench import ceiling, machine
-from engine_svc.bench.metrics import RequestRecord, Summary, format_table, summarize
-from engine_svc.bench.services import Addresses, started
-from engine_svc.bench.workload import (
-    BenchRequest,
-    arrival_gaps,
-    jsonl_requests,
-    random_requests,
-    shared_prefix_requests,
+from engine_svc.bench.load import (
+    DTYPES,
+    StreamError,
+    add_load_arguments,
+    check_load_arguments,
+    finish,
+    make_requests,
+    measure_ceilings,
+    sweep,
+    vocab_size_of,
 )
+from engine_svc.bench.metrics import RequestRecord
+from engine_svc.bench.services import Addresses, started
+from engine_svc.bench.workload import BenchRequest
 from shared.errors import InvalidRequestError
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
@@ -50,126 +48,43 @@ from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per connection
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m engine_svc.bench serve", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--model", help="model directory: the services', and its vocabulary")
-    parser.add_argument("--frontend-address", help="a running frontend (else both are started)")
-    parser.add_argument("--engine-address", help="its engine, to empty the prefix cache")
-    parser.add_argument(
-        "--engine-arg", action="append", default=[], metavar="ARG",
-        help="a flag for the started engine, e.g. --engine-arg=--dtype=bfloat16 (repeat)",
-    )  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
-                        help="the started engine's, and the ceilings'")  # fmt: skip
-    parser.add_argument("--dataset", choices=["random", "shared-prefix", "jsonl"],
-                        default="random")  # fmt: skip
-    parser.add_argument("--dataset-path", type=Path, help="the JSON-lines file (jsonl)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.5,
-                        help="random prompt lengths in input-len x [1 - r, 1 + r]")  # fmt: skip
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-groups", type=int, default=8, help="shared-prefix: groups")
-    parser.add_argument("--prefix-len", type=int, default=960, help="shared-prefix: tokens")
-    parser.add_argument("--suffix-len", type=int, default=40, help="shared-prefix: tokens")
-    parser.add_argument(
-        "--request-rate", default="inf",
-        help="requests per second (inf: all at once); a comma list sweeps",
-    )  # fmt: skip
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="gamma shape of the arrivals: 1 Poisson, < 1 burstier")  # fmt: skip
-    parser.add_argument(
-        "--max-concurrency", default="",
-        help="at most this many requests in flight; a comma list sweeps",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--result-file", type=Path, help="write every figure as JSON here")
-    parser.add_argument("--plot", type=Path, help="PNG of throughput against latency")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--skip-ceilings", action="store_true",
-                        help="do not measure GEMM and copy ceilings (MFU, MBU)")  # fmt: skip
-    parser.add_argument("--start-timeout", type=float, default=600.0)
+    add = parser.add_argument
+    add("--model", help="model directory: the started services', and its vocabulary")
+    add("--frontend-address", help="a running frontend (else both services are started)")
+    add("--engine-address", help="its engine, to empty the prefix cache between runs")
+    add("--engine-arg", action="append", default=[], metavar="ARG",
+        help="a flag for the started engine: --engine-arg=--max-num-seqs=128 (repeat)")  # fmt: skip
+    add("--dtype", choices=sorted(DTYPES), default="float32",
+        help="the started engine's, and the ceilings'")  # fmt: skip
+    add("--skip-ceilings", action="store_true", help="no GEMM and copy ceilings (MFU, MBU)")
+    add("--start-timeout", type=float, default=600.0)
+    add_load_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        args.request_rates = [float(r) for r in args.request_rate.split(",")]
-        args.concurrencies = [int(c) for c in args.max_concurrency.split(",") if c] or [None]
-    except ValueError as error:
-        parser.error(f"--request-rate / --max-concurrency: {error}")
-    if any(not r > 0 for r in args.request_rates):
-        parser.error("--request-rate must be > 0 (inf: all at once)")
-    if any(c is not None and c < 1 for c in args.concurrencies):
-        parser.error("--max-concurrency must be >= 1")
+    check_load_arguments(parser, args)
     if args.frontend_address is None and args.model is None:
         parser.error("give --model (the services are started) or --frontend-address")
-    if args.dataset == "jsonl" and args.dataset_path is None:
-        parser.error("--dataset jsonl needs --dataset-path")
-    if args.dataset != "jsonl" and args.model is None:
-        parser.error(f"--dataset {args.dataset} needs --model (its vocabulary)")
-    if min(args.num_prompts, args.output_len, args.input_len) < 1:
-        parser.error("--num-prompts, --input-len and --output-len must be >= 1")
     return args
 
 
-def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
-    if args.dataset == "jsonl":
-        return jsonl_requests(args.dataset_path, args.output_len, args.num_prompts)
-    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    if args.dataset == "shared-prefix":
-        per_group = max(1, args.num_prompts // args.num_groups)
-        return shared_prefix_requests(
-            args.num_groups, per_group, args.prefix_len, args.suffix_len, args.output_len,
-            vocab_size, args.seed,
-        )  # fmt: skip
-    return random_requests(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size, args.seed
-    )
+class FrontendClient:
+    """Streams through frontend.v1.GenerationService, over enough channels that none
+    carries more than STREAMS_PER_CHANNEL streams."""
 
+    def __init__(self, address: str, max_in_flight: int) -> None:
+        count = math.ceil(max_in_flight / STREAMS_PER_CHANNEL)
+        self._channels = [grpc.aio.insecure_channel(address) for _ in range(count)]
+        self._stubs = [frontend_pb2_grpc.GenerationServiceStub(c) for c in self._channels]
+        self._next = 0
 
-async def run_load(
-    address: str,
-    requests: list[BenchRequest],
-    request_rate: float,
-    burstiness: float,
-    max_concurrency: int | None,
-    seed: int,
-    progress: bool,
-) -> list[RequestRecord]:
-    """Send the requests at their arrival times, at most `max_concurrency` in flight; a
-    record per request (its clock starts when it is sent, after waiting for a slot)."""
-    num_channels = math.ceil(min(len(requests), max_concurrency or len(requests))
-                             / STREAMS_PER_CHANNEL)  # fmt: skip
-    channels = [grpc.aio.insecure_channel(address) for _ in range(num_channels)]
-    stubs = [frontend_pb2_grpc.GenerationServiceStub(channel) for channel in channels]
-    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
-    try:
-        tasks = []
-        gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
-        for i, (request, gap) in enumerate(zip(requests, gaps, strict=True)):
-            if gap > 0:
-                await asyncio.sleep(gap)
-            stub = stubs[i % len(stubs)]
-            tasks.append(asyncio.create_task(_one(stub, request, slots, bar)))
-        return list(await asyncio.gather(*tasks))
-    finally:
-        bar.close()
-        for channel in channels:
-            await channel.close()
-
-
-async def _one(
-    stub: frontend_pb2_grpc.GenerationServiceStub,
-    request: BenchRequest,
-    slots: asyncio.Semaphore | None,
-    bar: tqdm,
-) -> RequestRecord:
-    async with slots if slots is not None else contextlib.nullcontext():
-        record = RequestRecord(sent_at=time.perf_counter())
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        self._next += 1
+        stub = self._stubs[self._next % len(self._stubs)]
         try:
             async for response in stub.GenerateStream(_message(request)):
                 now = time.perf_counter()
@@ -181,9 +96,11 @@ async def _one(
                     record.prompt_tokens = response.usage.prompt_tokens
                     record.cached_tokens = response.usage.cached_tokens
         except grpc.aio.AioRpcError as error:
-            record.error = f"{error.code().name}: {error.details()}"
-        bar.update(1)
-        return record
+            raise StreamError(f"{error.code().name}: {error.details()}") from error
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
 
 
 def _message(request: BenchRequest) -> fpb.GenerateRequest:
@@ -216,73 +133,20 @@ def _services(args: argparse.Namespace) -> Iterator[Addresses]:
             yield addresses
 
 
-def _utilization(args: argparse.Namespace, ceilings: ceiling.Ceilings | None,
-                 summary: Summary) -> Summary:  # fmt: skip
-    """MFU of the run's total tokens/s; MBU of its median TPOT (a decode step's weight
-    reads per output token: what it means at one request in flight)."""
-    tpot_ms, total = summary.get("median_tpot_ms"), summary.get("total_token_throughput")
-    if ceilings is None or args.model is None or not tpot_ms or not total:
-        return {}
-    bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
-    figures = ceiling.utilization_figures(
-        ceilings, ceiling.count_parameters(args.model), bytes_per_param, float(total),
-        float(tpot_ms) / 1000,
-    )  # fmt: skip
-    return {"mfu": figures["mfu"], "mbu": figures["mbu"]}
-
-
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
-        requests = make_requests(args)
+        requests = make_requests(args, vocab_size_of(args.model))
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench serve: {error}")
-    print(machine.describe())
-    ceilings = None
-    if not args.skip_ceilings:  # before the services start: the machine is quiet then
-        ceilings = ceiling.measure_ceilings(_DTYPES[args.dtype])
-        print(f"ceilings: GEMM {ceilings.flops_per_s / 1e9:.1f} GFLOP/s ({args.dtype}), "
-              f"copy {ceilings.bytes_per_s / 1e9:.1f} GB/s (read+write)")  # fmt: skip
-    runs: list[Summary] = []
+    ceilings = measure_ceilings(args)  # before the services start: the machine is quiet
     with _services(args) as addresses:
-        warm_up = [BenchRequest([1, 2, 3, 4], None, 4)] if requests[0].prompt is None else [
-            BenchRequest(None, "Hello", 4)]  # fmt: skip
-        asyncio.run(run_load(addresses.frontend, warm_up, math.inf, 1.0, None, 0, False))
-        for rate, concurrency in itertools.product(args.request_rates, args.concurrencies):
-            reset_prefix_cache(addresses.engine)
-            load = run_load(addresses.frontend, requests, rate, args.burstiness, concurrency,
-                            args.seed, not args.no_progress)  # fmt: skip
-            records = asyncio.run(load)
-            summary: Summary = {"request_rate": rate, "burstiness": args.burstiness,
-                                "max_concurrency": concurrency, **summarize(records)}  # fmt: skip
-            summary |= _utilization(args, ceilings, summary)
-            errors = sorted({r.error for r in records if r.error})
-            title = f"rate {rate} req/s, max concurrency {concurrency or 'unbounded'}"
-            print(format_table(summary, title))
-            if "mfu" in summary:
-                print(f"MFU (total tokens/s): {100 * float(summary['mfu'] or 0):.1f}%   "
-                      f"MBU (median TPOT): {100 * float(summary['mbu'] or 0):.1f}%")  # fmt: skip
-            for message in errors[:5]:
-                print(f"failed: {message}")
-            runs.append(summary)
-    result: dict[str, Any] = {
-        "mode": "serve",
-        **machine.identity(),
-        "dataset": args.dataset,
-        "num_prompts": len(requests),
-        "dtype": args.dtype,
-        "engine_args": args.engine_arg,
-        "gemm_gflops": None if ceilings is None else ceilings.flops_per_s / 1e9,
-        "copy_gb_s": None if ceilings is None else ceilings.bytes_per_s / 1e9,
-        "runs": runs,
-    }
-    if args.result_file is not None:
-        args.result_file.write_text(json.dumps(result, indent=2))
-        print(f"results: {args.result_file}")
-    if args.plot is not None:
-        from engine_svc.bench.plot import plot_sweep
-
-        plot_sweep(runs, args.plot)
-        print(f"plot: {args.plot}")
-    if any(run["failed"] for run in runs):
-        sys.exit("bench serve: some requests failed (above)")
+        runs = sweep(
+            args,
+            requests,
+            lambda in_flight: FrontendClient(addresses.frontend, in_flight),
+            lambda: reset_prefix_cache(addresses.engine),
+            ceilings,
+        )
+    finish(args, {"mode": "serve", "num_prompts": len(requests),
+                  "engine_args": args.engine_arg}, runs)  # fmt: skip

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,7 +17,7 @@ from openai.types.chat import ChatCompletionUserMessageParam
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
 from tests.interop.processes import SmgProcess
-from tests.service_processes import FrontendProcess, ServiceProcess
+from tests.service_processes import REPO_ROOT, FrontendProcess, ServiceProcess
 
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
@@ -90,3 +94,28 @@ def test_client_disconnect_aborts_the_engine_request(
     # The engine's own count: it aborted the request before the 900 tokens it asked for.
     generated = engine.tokens_of_a_request_ended_while_paused(disconnect_mid_stream)
     assert generated < 900, "the engine did not abort the request of the client gone"
+
+
+def test_bench_openai_runs_a_workload_through_smg(
+    smg: SmgProcess, engine: ServiceProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`python -m engine_svc.bench openai` against smg in front of our engine (random token
+    prompts sent as their text): every request streams to its exact length (the server's own
+    count), and the figures are written."""
+    result = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "openai", "--base-url", smg.base_url,
+        "--model", str(tiny_model_dir), "--engine-address", engine.address,
+        "--num-prompts", "4", "--input-len", "8", "--range-ratio", "0.25", "--output-len", "6",
+        "--max-concurrency", "2", "--skip-ceilings", "--no-progress",
+        "--result-file", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(result.read_text())
+    assert summary["served_model_name"] == smg.model_name
+    [run] = summary["runs"]
+    assert (run["completed"], run["failed"]) == (4, 0)
+    assert run["total_output_tokens"] == 4 * 6
+    assert run["total_input_tokens"] > 0  # smg's count of the decoded prompts, re-tokenized
+    assert 0 < run["median_ttft_ms"] <= run["median_e2el_ms"]
