@@ -21,17 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_svc.bench.load import (
-    DTYPES,
-    StreamError,
-    add_load_arguments,
-    check_load_arguments,
-    finish,
-    make_requests,
-    measure_ceilings,
-    sweep,
-    vocab_size_of,
-)
+from engine_svc.bench import load
 from engine_svc.bench.metrics import RequestRecord
 from engine_svc.bench.serve import reset_prefix_cache
 from engine_svc.bench.workload import BenchRequest
@@ -49,12 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--model", help="the model's directory: its vocabulary, and MFU/MBU's parameters")
     add("--served-model-name", help="the `model` field to send (default: the server's first)")
     add("--engine-address", help="our engine behind it, to empty the prefix cache between runs")
-    add("--dtype", choices=sorted(DTYPES), default="float32", help="the ceilings' dtype")
+    add("--dtype", choices=sorted(load.DTYPES), default="float32", help="the ceilings' dtype")
     add("--skip-ceilings", action="store_true", help="no GEMM and copy ceilings (MFU, MBU)")
     add("--prompt-ids", action="store_true", help="send token ids, not their text")
-    add_load_arguments(parser)
+    load.add_load_arguments(parser)
     args = parser.parse_args(argv)
-    check_load_arguments(parser, args)
+    load.check_load_arguments(parser, args)
     args.base_url = args.base_url.rstrip("/")
     return args
 
@@ -87,12 +77,12 @@ class OpenAIClient:
             async with self._session.post(self._url, json=payload) as response:
                 if response.status != 200:
                     body = (await response.text())[:300]
-                    raise StreamError(f"HTTP {response.status}: {body}")
+                    raise load.StreamError(f"HTTP {response.status}: {body}")
                 async for line in response.content:
                     if _take(line, record):
                         break
         except self._aiohttp.ClientError as error:
-            raise StreamError(f"{type(error).__name__}: {error}") from error
+            raise load.StreamError(f"{type(error).__name__}: {error}") from error
         if record.chunk_times and not record.output_tokens:
             record.output_tokens = len(record.chunk_times)  # a server that sends no usage
 
@@ -110,7 +100,7 @@ def _take(line: bytes, record: RequestRecord) -> bool:
         return True
     chunk: dict[str, Any] = json.loads(data)
     if "error" in chunk:
-        raise StreamError(f"error event: {chunk['error']}")
+        raise load.StreamError(f"error event: {chunk['error']}")
     if any(choice.get("text") for choice in chunk.get("choices") or []):
         record.chunk_times.append(time.perf_counter())
     usage = chunk.get("usage")
@@ -149,20 +139,20 @@ def served_model_name(base_url: str) -> str:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
-        requests = make_requests(args, vocab_size_of(args.model))
+        requests = load.make_requests(args, load.vocab_size_of(args.model))
         if not args.prompt_ids and args.model is not None:
             requests = as_text(requests, args.model)
         name = args.served_model_name or served_model_name(args.base_url)
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench openai: {error}")
-    ceilings = measure_ceilings(args)
+    ceilings = load.measure_ceilings(args)
     print(f"server: {args.base_url}, model {name}")
-    runs = sweep(
+    runs = load.sweep(
         args,
         requests,
         lambda in_flight: OpenAIClient(args.base_url, name, in_flight),
         lambda: reset_prefix_cache(args.engine_address),
         ceilings,
     )
-    finish(args, {"mode": "openai", "base_url": args.base_url, "served_model_name": name,
+    load.finish(args, {"mode": "openai", "base_url": args.base_url, "served_model_name": name,
                   "num_prompts": len(requests)}, runs)  # fmt: skip
