@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_arguments(parser)
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add(
+        "--null-executor",
+        action="store_true",
+        help="benchmarks only: run no model, answer every request with a fixed cycle of "
+        "tokens at no cost (what is left is the engine's and the frontend's own cost)",
+    )
     # Test hook: the forward pass raises after this many steps.
     add("--fail-after-steps", type=int, help=argparse.SUPPRESS)
     return parser
@@ -150,6 +156,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         master_addr=args.master_addr,
         master_port=args.master_port,
         fail_after_steps=args.fail_after_steps,
+        null_executor=args.null_executor,
     )
 
 

@@ -39,6 +39,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
     cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
     fail_after_steps: int | None = None  # test hook: the forward raises after N steps
+    # Benchmarks of the engine's own cost: no model runs, tokens follow a fixed cycle
+    # (executor/null.py).
+    null_executor: bool = False
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8..128")

@@ -1,6 +1,7 @@
 """`python -m engine_svc.bench [MODE] ...`: `offline` (the default: our engine against
 Hugging Face `generate` on the same prompts), `serve` (through the frontend's gRPC API) or
-`openai` (any OpenAI-compatible server's streaming completions).
+`openai` (any OpenAI-compatible server's streaming completions) or `overhead` (serve with
+an engine that runs no model: the stack's own cost).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ MODES = {
     "offline": "engine_svc.bench.offline",
     "serve": "engine_svc.bench.serve",
     "openai": "engine_svc.bench.openai_api",
+    "overhead": "engine_svc.bench.overhead",
 }
 
 

@@ -161,9 +161,13 @@ def sweep(
     connect: Callable[[int], StreamClient],
     before_run: Callable[[], None],
     ceilings: ceiling.Ceilings | None,
+    counters: Callable[[], dict[str, float]] | None = None,
+    report: Callable[[Summary], str] | None = None,
 ) -> list[Summary]:
     """One run per (rate, concurrency), after a warm-up request; each run's figures are
-    printed as it ends. `connect(n)` makes a client for n requests in flight at most."""
+    printed as it ends. `connect(n)` makes a client for n requests in flight at most;
+    `counters()`, read before and after each run, adds each counter's growth to the run's
+    figures as `delta_<name>`; `report(figures)` adds lines to its table."""
 
     async def load(rate: float, concurrency: int | None, batch: list[BenchRequest],
                    progress: bool) -> list[RequestRecord]:  # fmt: skip
@@ -179,15 +183,20 @@ def sweep(
     runs: list[Summary] = []
     for rate, concurrency in itertools.product(args.request_rates, args.concurrencies):
         before_run()
+        before = counters() if counters else {}
         records = asyncio.run(load(rate, concurrency, requests, not args.no_progress))
+        after = counters() if counters else {}
         summary: Summary = {"request_rate": rate, "burstiness": args.burstiness,
                             "max_concurrency": concurrency, **summarize(records)}  # fmt: skip
+        summary |= {f"delta_{name}": after[name] - before[name] for name in after}
         summary |= _utilization(args, ceilings, summary)
         print(format_table(summary, f"rate {rate} req/s, max concurrency "
                                     f"{concurrency or 'unbounded'}"))  # fmt: skip
         if "mfu" in summary:
             print(f"MFU (total tokens/s): {100 * float(summary['mfu'] or 0):.1f}%   "
                   f"MBU (median TPOT): {100 * float(summary['mbu'] or 0):.1f}%")  # fmt: skip
+        if report is not None:
+            print(report(summary))
         for message in sorted({r.error for r in records if r.error})[:5]:
             print(f"failed: {message}")
         runs.append(summary)

@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -50,9 +51,13 @@ from shared.protos import engine_pb2_grpc
 STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per connection
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(
+    argv: list[str], prog: str = "serve", description: str | None = None, **defaults: Any
+) -> argparse.Namespace:
+    """serve's options (`defaults` replacing some defaults, for modes built on it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m engine_svc.bench serve", description=__doc__.splitlines()[0]
+        prog=f"python -m engine_svc.bench {prog}",
+        description=description or __doc__.splitlines()[0],
     )
     add = parser.add_argument
     add("--model", help="model directory: the started services', and its vocabulary")
@@ -65,6 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--skip-ceilings", action="store_true", help="no GEMM and copy ceilings (MFU, MBU)")
     add("--start-timeout", type=float, default=600.0)
     add_load_arguments(parser)
+    parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     check_load_arguments(parser, args)
     if args.frontend_address is None and args.model is None:
@@ -120,7 +126,8 @@ def reset_prefix_cache(engine_address: str | None) -> None:
 
 
 @contextlib.contextmanager
-def _services(args: argparse.Namespace) -> Iterator[Addresses]:
+def services(args: argparse.Namespace) -> Iterator[Addresses]:
+    """Those at --frontend-address, or both started with the engine's --engine-args."""
     if args.frontend_address is not None:
         yield Addresses(frontend=args.frontend_address, engine=args.engine_address)
         return
@@ -140,7 +147,7 @@ def main(argv: list[str]) -> None:
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench serve: {error}")
     ceilings = measure_ceilings(args)  # before the services start: the machine is quiet
-    with _services(args) as addresses:
+    with services(args) as addresses:
         runs = sweep(
             args,
             requests,

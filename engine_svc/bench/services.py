@@ -25,6 +25,10 @@ STOP_TIMEOUT_S = 60.0
 class Addresses:
     frontend: str  # HOST:PORT of frontend.v1.GenerationService
     engine: str | None  # HOST:PORT of engine.v1.EngineCoreService, when known
+    # Known when the benchmark started the services: their processes and the engine's metrics.
+    engine_pid: int | None = None
+    frontend_pid: int | None = None
+    engine_metrics_url: str | None = None
 
 
 @contextlib.contextmanager
@@ -32,10 +36,10 @@ def started(
     model: str, engine_args: list[str], log_dir: Path, timeout_s: float
 ) -> Iterator[Addresses]:
     """Both services; yields once the frontend is SERVING (it waits for the engine)."""
-    engine_port, frontend_port = _free_port(), _free_port()
+    engine_port, frontend_port, metrics_port = _free_port(), _free_port(), _free_port()
     engine = _start(
         "engine_svc", log_dir / "engine.log", "--model", model, "--port", str(engine_port),
-        "--metrics-port", str(_free_port()), *engine_args,
+        "--metrics-port", str(metrics_port), *engine_args,
     )  # fmt: skip
     processes = [engine]
     try:
@@ -46,7 +50,13 @@ def started(
         processes.append(frontend)
         address = f"127.0.0.1:{frontend_port}"
         wait_serving(address, "frontend.v1.GenerationService", processes, timeout_s, log_dir)
-        yield Addresses(frontend=address, engine=f"127.0.0.1:{engine_port}")
+        yield Addresses(
+            frontend=address,
+            engine=f"127.0.0.1:{engine_port}",
+            engine_pid=engine.pid,
+            frontend_pid=frontend.pid,
+            engine_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        )
     finally:
         for process in reversed(processes):
             _stop(process)
@@ -100,3 +110,18 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of one process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def engine_core_pid(service_pid: int) -> int:
+    """The engine-core process the engine service spawned (its busy loop)."""
+    for child in Path(f"/proc/{service_pid}/task/{service_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return int(child)
+    raise RuntimeError(f"no engine-core process under {service_pid}")

@@ -15,7 +15,13 @@ from engine_svc.models.sharding import check_divisible
 def build_executor(
     config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> Executor:
-    """Worker processes for tensor or pipeline parallelism, else one worker in this process."""
+    """Worker processes for tensor or pipeline parallelism, else one worker in this process;
+    or, for measuring the engine's own cost, no model at all (`null_executor`)."""
+    if config.null_executor:
+        from engine_svc.executor.null import NullExecutor
+
+        element = torch.tensor([], dtype=dtype).element_size()
+        return NullExecutor(config.model, spec, config.block_size, element)
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         from engine_svc.executor.multiproc import MultiprocExecutor
 

@@ -74,3 +74,26 @@ def test_bench_serve_sweeps_through_the_started_services(
         done.stdout
     )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_overhead_runs_the_stack_without_a_model(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`bench overhead`: the engine with --null-executor behind the frontend. Every request
+    streams to its length, and the engine's own step counter accounts for every token:
+    vllm:iteration_tokens_total counts a step's prompt tokens and the tokens it generated."""
+    result = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "overhead", "--model", str(tiny_model_dir),
+        "--num-prompts", "8", "--input-len", "12", "--output-len", "16",
+        "--max-concurrency", "4", "--engine-arg=--num-kv-blocks=256", "--no-progress",
+        "--result-file", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [run] = json.loads(result.read_text())["runs"]
+    assert (run["completed"], run["failed"], run["total_output_tokens"]) == (8, 0, 8 * 16)
+    assert run["delta_step_tokens"] == run["total_input_tokens"] + run["total_output_tokens"]
+    assert run["delta_steps"] >= 16
+    assert run["engine_core_cpu_ms_per_step"] >= 0 and run["frontend_cpu_us_per_token"] >= 0
+    assert "engine core CPU per step:" in done.stdout
