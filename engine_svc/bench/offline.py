@@ -327,6 +327,13 @@ def main(argv: list[str] | None = None) -> None:
         _run_here(args)
         return
     machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "offline", *args.argv])
+    if args.dtype == "bfloat16" and not args.skip_hf and not machine.has_bf16_arithmetic():
+        # torch's bfloat16 matmul runs a scalar path there: Hugging Face would take hours.
+        print(
+            "Hugging Face bfloat16 skipped: this CPU has no bfloat16 arithmetic (AVX512-BF16 "
+            "or AMX-BF16), so torch multiplies bfloat16 matrices in scalar code"
+        )
+        args.skip_hf = True
     structured = {} if args.skip_structured else _in_subprocess(args, "structured")
     workers: dict[str, Worker] = {}
     try:  # started one after the other, so that each start-up is timed alone

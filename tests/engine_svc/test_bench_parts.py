@@ -1,6 +1,6 @@
-"""The serving benchmark's parts on data the test controls: the workloads (lengths, shared
+"""The benchmarks' parts on data the test controls: the serving workloads (lengths, shared
 prefixes, a JSON-lines file, arrival times) and the figures computed from streams whose
-timings the test writes (vLLM `bench serve`'s definitions)."""
+timings the test writes (vLLM `bench serve`'s definitions), and what the machine reports."""
 
 from __future__ import annotations
 
@@ -98,3 +98,19 @@ def test_figures_follow_the_definitions() -> None:
     assert summary["p99_e2el_ms"] == pytest.approx(400.0 - 0.01 * 100.0)
     assert "Mean TTFT (ms):" in format_table(summary, "t")
     assert summarize([failed]) == {"completed": 0, "failed": 1}
+
+
+def test_bf16_arithmetic_follows_the_cpu_flags_and_the_isa_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_svc.bench import machine
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
+    assert machine.has_bf16_arithmetic()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "fma"])
+    assert not machine.has_bf16_arithmetic()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "amx_tile", "amx_bf16"])
+    assert machine.has_bf16_arithmetic()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # `--isa avx2`
+    assert not machine.has_bf16_arithmetic()
