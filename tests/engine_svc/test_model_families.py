@@ -57,6 +57,22 @@ def _llama3_rope() -> Any:
     return LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters=rope)
 
 
+def _yarn_rope() -> Any:
+    from transformers import LlamaConfig
+
+    # Longer sequences than the original context: yarn is the same at every length.
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0}  # fmt: skip
+    return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=rope)
+
+
+def _dynamic_rope() -> Any:
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=rope)
+
+
 def _mistral() -> Any:
     from transformers import MistralConfig
 
@@ -82,6 +98,18 @@ def _phi3() -> Any:
     return Phi3Config(**COMMON)  # qkv_proj and gate_up_proj in the checkpoint
 
 
+def _phi3_longrope() -> Any:
+    from transformers import Phi3Config
+
+    # Sequences within the original context (short factors), a scaled cos and sin.
+    half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [2.0 + i for i in range(half)],
+            "original_max_position_embeddings": 256}  # fmt: skip
+    return Phi3Config(**COMMON, rope_parameters=rope, original_max_position_embeddings=256)
+
+
 def _granite() -> Any:
     from transformers import GraniteConfig
 
@@ -92,10 +120,13 @@ def _granite() -> Any:
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "llama3_rope": _llama3_rope,
+    "yarn_rope": _yarn_rope,
+    "dynamic_rope": _dynamic_rope,
     "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "phi3": _phi3,
+    "phi3_longrope": _phi3_longrope,
     "granite": _granite,
 }
 # name -> engine options
