@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a
-flattened batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo 2)
+over a flattened batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
 and gate/up are fused into one matmul each, and every projection's weight is stored
@@ -142,9 +142,17 @@ class Attention(nn.Module):
         self.o_proj = Projection(q_size, spec.hidden_size, False)
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused_rotary = False
-        # Qwen3: each head of q and k RMS-normalised (over head_dim) before the rotary.
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # Qwen3: each head of q and k RMS-normalised (over head_dim) before the rotary;
+        # OLMo 2: all of q and all of k (over every head's dims together).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        self.qk_norm_whole = spec.qk_norm_whole
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        elif spec.qk_norm_whole:
+            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
 
     def fuse(self) -> None:
         if hasattr(self, "qkv_proj"):
@@ -165,10 +173,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
                 -1, self.num_kv_heads, self.head_dim
@@ -222,8 +232,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(spec, shards, collectives)
         self.mlp = MLP(spec, shards, collectives)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_norms = spec.post_norms
+        if spec.post_norms:  # OLMo 2: each block's output normalised, its input not
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(
@@ -237,6 +252,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for the first layer), not yet
         added to the residual stream; returns this layer's MLP output and the stream."""
+        if self.post_norms:
+            stream = x if residual is None else residual + x
+            attn = self.self_attn(stream, cos, sin, kv_cache, meta)
+            stream = stream + self.post_attention_layernorm(attn)[0]
+            return self.post_feedforward_layernorm(self.mlp(stream))[0], stream
         hidden, residual = self.input_layernorm(x, residual)
         attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
         if self.residual_multiplier != 1.0:

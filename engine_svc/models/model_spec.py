@@ -14,11 +14,15 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
 )
 # Families whose attention projections carry a bias unless their config says otherwise.
 _BIASED_BY_DEFAULT = ("Qwen2ForCausalLM",)
 # Families that RMS-normalise each head of q and k before the rotary embedding.
 _QK_NORM = ("Qwen3ForCausalLM",)
+# Families that RMS-normalise q and k whole (every head's dims together) before the rotary,
+# and whose layers normalise each block's output (post-norms) instead of its input.
+_OLMO2 = ("Olmo2ForCausalLM",)
 # Families whose checkpoints hold q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 _FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
 
@@ -46,6 +50,8 @@ class ModelSpec:
     is_causal: bool  # False: the prompt attends both ways (prefix-LM)
     torch_dtype: str
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
+    qk_norm_whole: bool = False  # RMSNorm of all of q and of all of k (OLMo 2)
+    post_norms: bool = False  # norm after attention and MLP, none before (OLMo 2)
     # Granite's multipliers (1.0 and None elsewhere): the embeddings are scaled, each block's
     # output is scaled before it joins the residual stream, attention scores are scaled by
     # attention_multiplier instead of 1/sqrt(head_dim), and the logits divided.
@@ -103,6 +109,8 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         is_causal=not config.get("use_bidirectional_attention", False),
         torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
         fused_checkpoint=architecture in _FUSED_CHECKPOINT,
+        qk_norm_whole=architecture in _OLMO2,
+        post_norms=architecture in _OLMO2,
         embedding_multiplier=config.get("embedding_multiplier", 1.0) if granite else 1.0,
         residual_multiplier=config.get("residual_multiplier", 1.0) if granite else 1.0,
         attention_multiplier=config.get("attention_multiplier") if granite else None,

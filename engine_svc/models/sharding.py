@@ -119,6 +119,12 @@ def check_divisible(spec: ModelSpec, layout: ParallelLayout) -> None:
         raise InvalidRequestError(
             "tensor_parallel_size", f"{tp} does not divide the model's {' and '.join(problems)}"
         )
+    if tp > 1 and spec.qk_norm_whole:
+        raise InvalidRequestError(
+            "tensor_parallel_size",
+            f"{spec.architecture} normalises q and k across all heads, which this engine "
+            "does not split over ranks yet: run it with tensor_parallel_size 1",
+        )
     if pp > spec.num_layers:
         raise InvalidRequestError(
             "pipeline_parallel_size", f"{pp} exceeds the model's {spec.num_layers} layers"

@@ -17,7 +17,10 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
+from engine_svc.distributed.layout import ParallelLayout
 from engine_svc.models.model_spec import load_model_spec
+from engine_svc.models.sharding import check_divisible
+from shared.errors import InvalidRequestError
 from tests.engine_svc.engine_helpers import assert_kv_cache_clean
 from tests.engine_svc.hf_reference import hf_greedy, hf_token_logprobs, load_hf_model
 from tests.model_fixtures import TOKENIZER_FILES
@@ -117,6 +120,12 @@ def _granite() -> Any:
                          attention_multiplier=0.2, logits_scaling=4.0)  # fmt: skip
 
 
+def _olmo2() -> Any:
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**COMMON)  # q and k normalised whole; post-norms in every layer
+
+
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "llama3_rope": _llama3_rope,
@@ -128,6 +137,7 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "phi3": _phi3,
     "phi3_longrope": _phi3_longrope,
     "granite": _granite,
+    "olmo2": _olmo2,
 }
 # name -> engine options
 REGIMES: dict[str, dict[str, Any]] = {
@@ -212,6 +222,15 @@ def test_the_spec_reads_each_familys_traits(family: Any) -> None:
     assert spec.attention_bias == (architecture == "Qwen2ForCausalLM")
     assert spec.qk_norm == (architecture == "Qwen3ForCausalLM")
     assert spec.sliding_window == (400 if architecture == "MistralForCausalLM" else None)
+    olmo2 = architecture == "Olmo2ForCausalLM"
+    assert spec.qk_norm_whole == olmo2 and spec.post_norms == olmo2
+    # OLMo 2's whole-q/k norm spans every head: not split over tensor-parallel ranks yet.
+    if olmo2:
+        with pytest.raises(InvalidRequestError) as refused:
+            check_divisible(spec, ParallelLayout(2, 1))
+        assert refused.value.field == "tensor_parallel_size"
+    else:
+        check_divisible(spec, ParallelLayout(2, 1))
 
 
 def test_a_sliding_window_caps_the_model_length(family: Any) -> None:
