@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo 2)
-over a flattened batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo 2,
+and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) over a flattened batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
 and gate/up are fused into one matmul each, and every projection's weight is stored
@@ -18,6 +18,7 @@ from torch import nn
 from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import packed_block_size, packed_linear_available
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
+from engine_svc.layers.moe import SparseMoE
 from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.models.sharding import RankShards
@@ -153,6 +154,7 @@ class Attention(nn.Module):
         elif spec.qk_norm_whole:
             self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
             self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv  # OLMoE: q, k and v clamped after the norms
 
     def fuse(self) -> None:
         if hasattr(self, "qkv_proj"):
@@ -175,6 +177,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q.contiguous())[0], self.k_norm(k.contiguous())[0]
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -228,10 +232,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
+    def __init__(
+        self, spec: ModelSpec, shards: RankShards, collectives: Collectives, index: int
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(spec, shards, collectives)
-        self.mlp = MLP(spec, shards, collectives)
+        # The feed-forward block, under its checkpoint name: the experts of a mixture
+        # (Mixtral calls them block_sparse_moe), or the dense MLP.
+        self.ffn_name = "mlp"
+        if spec.is_sparse(index):
+            if spec.architecture == "MixtralForCausalLM":
+                self.ffn_name = "block_sparse_moe"
+            self.add_module(self.ffn_name, SparseMoE(spec))
+        else:
+            self.mlp = MLP(spec, shards, collectives)
         self.post_norms = spec.post_norms
         if spec.post_norms:  # OLMo 2: each block's output normalised, its input not
             self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -256,16 +270,21 @@ class DecoderLayer(nn.Module):
             stream = x if residual is None else residual + x
             attn = self.self_attn(stream, cos, sin, kv_cache, meta)
             stream = stream + self.post_attention_layernorm(attn)[0]
-            return self.post_feedforward_layernorm(self.mlp(stream))[0], stream
+            return self.post_feedforward_layernorm(self.ffn(stream))[0], stream
         hidden, residual = self.input_layernorm(x, residual)
         attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
         if self.residual_multiplier != 1.0:
             attn = attn * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(attn, residual)
-        out = self.mlp(hidden)
+        out = self.ffn(hidden)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return out, residual
+
+    @property
+    def ffn(self) -> MLP | SparseMoE:
+        block: MLP | SparseMoE = getattr(self, self.ffn_name)
+        return block
 
 
 class MissingLayer(nn.Module):
@@ -288,7 +307,7 @@ class LlamaModel(nn.Module):
             weight = torch.empty(rows, spec.hidden_size)
             self.embed_tokens = nn.Embedding(rows, spec.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, shards, collectives) if shards.has_layer(i) else MissingLayer()
+            DecoderLayer(spec, shards, collectives, i) if shards.has_layer(i) else MissingLayer()
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last_stage else None
@@ -324,7 +343,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.shared_weight = True
         for layer in self.model.local_layers():
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.ffn.fuse()
 
     def use_fused_ops(self, enabled: bool, dtype: torch.dtype) -> None:
         """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU

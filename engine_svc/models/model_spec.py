@@ -15,14 +15,18 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
 # Families whose attention projections carry a bias unless their config says otherwise.
 _BIASED_BY_DEFAULT = ("Qwen2ForCausalLM",)
 # Families that RMS-normalise each head of q and k before the rotary embedding.
-_QK_NORM = ("Qwen3ForCausalLM",)
-# Families that RMS-normalise q and k whole (every head's dims together) before the rotary,
-# and whose layers normalise each block's output (post-norms) instead of its input.
-_OLMO2 = ("Olmo2ForCausalLM",)
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Families that RMS-normalise q and k whole (every head's dims together) before the rotary.
+_QK_NORM_WHOLE = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
+# Families whose layers normalise each block's output (post-norms) instead of its input.
+_POST_NORMS = ("Olmo2ForCausalLM",)
 # Families whose checkpoints hold q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 _FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
 
@@ -52,6 +56,17 @@ class ModelSpec:
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
     qk_norm_whole: bool = False  # RMSNorm of all of q and of all of k (OLMo 2)
     post_norms: bool = False  # norm after attention and MLP, none before (OLMo 2)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv (OLMoE)
+    # Mixture of experts (Mixtral, Qwen3-MoE, OLMoE); 0 experts: every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k scores renormalised to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
     # Granite's multipliers (1.0 and None elsewhere): the embeddings are scaled, each block's
     # output is scaled before it joins the residual stream, attention scores are scaled by
     # attention_multiplier instead of 1/sqrt(head_dim), and the logits divided.
@@ -109,13 +124,37 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         is_causal=not config.get("use_bidirectional_attention", False),
         torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
         fused_checkpoint=architecture in _FUSED_CHECKPOINT,
-        qk_norm_whole=architecture in _OLMO2,
-        post_norms=architecture in _OLMO2,
+        qk_norm_whole=architecture in _QK_NORM_WHOLE,
+        post_norms=architecture in _POST_NORMS,
+        clip_qkv=config.get("clip_qkv"),
+        **_experts(architecture, config),
         embedding_multiplier=config.get("embedding_multiplier", 1.0) if granite else 1.0,
         residual_multiplier=config.get("residual_multiplier", 1.0) if granite else 1.0,
         attention_multiplier=config.get("attention_multiplier") if granite else None,
         logits_scaling=config.get("logits_scaling", 1.0) if granite else 1.0,
     )
+
+
+def _experts(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields: which layers are sparse, with how many experts."""
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if not num_experts:
+        return {}
+    layers = range(config["num_hidden_layers"])
+    if architecture == "Qwen3MoeForCausalLM":  # some layers may stay dense
+        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    else:
+        sparse = tuple(layers)
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
+        # Mixtral always renormalises the top-k scores; the others say whether they do.
+        "norm_topk_prob": architecture == "MixtralForCausalLM"
+        or bool(config.get("norm_topk_prob", False)),
+        "sparse_layers": sparse,
+    }
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:

@@ -119,6 +119,12 @@ def check_divisible(spec: ModelSpec, layout: ParallelLayout) -> None:
         raise InvalidRequestError(
             "tensor_parallel_size", f"{tp} does not divide the model's {' and '.join(problems)}"
         )
+    if tp > 1 and spec.num_experts:
+        raise InvalidRequestError(
+            "tensor_parallel_size",
+            f"{spec.architecture}'s experts are not split over ranks yet: run it with "
+            "tensor_parallel_size 1 (pipeline parallelism splits its layers)",
+        )
     if tp > 1 and spec.qk_norm_whole:
         raise InvalidRequestError(
             "tensor_parallel_size",

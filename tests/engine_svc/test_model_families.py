@@ -126,6 +126,28 @@ def _olmo2() -> Any:
     return Olmo2Config(**COMMON)  # q and k normalised whole; post-norms in every layer
 
 
+def _mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    # Layer 1 stays dense (mlp_only_layers): both kinds of layer in one model.
+    return Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+                          tie_word_embeddings=True)  # fmt: skip
+
+
+def _olmoe() -> Any:
+    from transformers import OlmoeConfig
+
+    # clip_qkv low enough that the random model's q, k and v are clamped.
+    return OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0)
+
+
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "llama3_rope": _llama3_rope,
@@ -138,6 +160,9 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "phi3_longrope": _phi3_longrope,
     "granite": _granite,
     "olmo2": _olmo2,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
 }
 # name -> engine options
 REGIMES: dict[str, dict[str, Any]] = {
@@ -220,17 +245,35 @@ def test_the_spec_reads_each_familys_traits(family: Any) -> None:
     architecture = config["architectures"][0]
     assert spec.architecture == architecture
     assert spec.attention_bias == (architecture == "Qwen2ForCausalLM")
-    assert spec.qk_norm == (architecture == "Qwen3ForCausalLM")
+    assert spec.qk_norm == (architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
     assert spec.sliding_window == (400 if architecture == "MistralForCausalLM" else None)
-    olmo2 = architecture == "Olmo2ForCausalLM"
-    assert spec.qk_norm_whole == olmo2 and spec.post_norms == olmo2
-    # OLMo 2's whole-q/k norm spans every head: not split over tensor-parallel ranks yet.
-    if olmo2:
+    olmo = architecture in ("Olmo2ForCausalLM", "OlmoeForCausalLM")
+    assert spec.qk_norm_whole == olmo and spec.post_norms == (architecture == "Olmo2ForCausalLM")
+    expected_sparse = {"MixtralForCausalLM": (0, 1), "OlmoeForCausalLM": (0, 1),
+                       "Qwen3MoeForCausalLM": (0,)}.get(architecture, ())  # fmt: skip
+    assert spec.sparse_layers == expected_sparse
+    # A whole-q/k norm spans every head, and experts are whole: not split over ranks yet.
+    if olmo or spec.num_experts:
         with pytest.raises(InvalidRequestError) as refused:
             check_divisible(spec, ParallelLayout(2, 1))
         assert refused.value.field == "tensor_parallel_size"
     else:
         check_divisible(spec, ParallelLayout(2, 1))
+
+
+def test_experts_give_the_same_tokens_alone_and_in_a_batch(family: Any) -> None:
+    """A mixture routes each token by itself: a request's tokens do not depend on which
+    others share its steps (alone, then among 32)."""
+    folder, prompts, _, _, _ = family
+    if not load_model_spec(folder).num_experts:
+        pytest.skip("a dense model: no routing")
+    llm = LLM(str(folder))
+    batch = (prompts * 2)[:32]
+    max_tokens = [12] * len(batch)
+    together = _greedy(llm, batch, max_tokens)
+    llm.client.reset_prefix_cache()
+    alone = [_greedy(llm, [prompt], [12])[0] for prompt in batch[:4]]
+    assert alone == together[:4]
 
 
 def test_a_sliding_window_caps_the_model_length(family: Any) -> None:
