@@ -281,3 +281,24 @@ def test_a_sliding_window_caps_the_model_length(family: Any) -> None:
     llm = LLM(str(folder))
     expected = 400 if load_model_spec(folder).sliding_window else 512
     assert llm.engine_core.max_model_len == expected
+
+
+def test_a_checkpoint_in_several_shards_loads_as_one(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """save_pretrained's shards (model-0000N-of-0000M.safetensors and their index) load as
+    the single-file checkpoint does: the same greedy tokens as transformers."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama()).to(torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    for file in TOKENIZER_FILES:
+        if (default_model_dir / file).is_file():
+            shutil.copy(default_model_dir / file, tmp_path / file)
+    prompts, max_tokens = _workload()
+    expected = hf_greedy(load_hf_model(tmp_path), prompts[:4], max_tokens[:4])
+    got = _greedy(LLM(str(tmp_path)), prompts[:4], max_tokens[:4])
+    assert [g[: len(e)] for g, e in zip(got, expected, strict=True)] == expected
