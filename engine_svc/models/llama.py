@@ -30,11 +30,14 @@ class RMSNorm(nn.Module):
     """RMSNorm, optionally after adding the residual stream (which it then returns too).
     `fused`: one C++ pass on CPU (engine_svc/kernels) instead of torch's five to eight."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.fused = False
+        # OLMo 2 multiplies by the weight in float32 and casts after; the others cast the
+        # normalised value first (the same in float32, not in bfloat16).
+        self.weight_in_float32 = weight_in_float32
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -50,6 +53,8 @@ class RMSNorm(nn.Module):
         # Computed in float32 then cast back, exactly as Hugging Face does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * x32).to(x.dtype), x
         return self.weight * x32.to(x.dtype), x
 
 
@@ -152,8 +157,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         elif spec.qk_norm_whole:
-            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(q_size, spec.rms_norm_eps, spec.post_norms)
+            self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps, spec.post_norms)
         self.clip_qkv = spec.clip_qkv  # OLMoE: q, k and v clamped after the norms
 
     def fuse(self) -> None:
@@ -248,8 +253,8 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(spec, shards, collectives)
         self.post_norms = spec.post_norms
         if spec.post_norms:  # OLMo 2: each block's output normalised, its input not
-            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
         else:
             self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
             self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -310,7 +315,9 @@ class LlamaModel(nn.Module):
             DecoderLayer(spec, shards, collectives, i) if shards.has_layer(i) else MissingLayer()
             for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if layout.is_last_stage else None
+        self.norm = None
+        if layout.is_last_stage:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.post_norms)
 
     def local_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
@@ -355,7 +362,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Projection) and packed:
                 module.pack()
             elif isinstance(module, RMSNorm):
-                module.fused = enabled
+                # The C++ pass casts before the weight, as most families do.
+                module.fused = enabled and not (module.weight_in_float32 and dtype != torch.float32)
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled
             elif isinstance(module, MLP):

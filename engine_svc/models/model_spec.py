@@ -95,8 +95,16 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         )
     num_heads = config["num_attention_heads"]
     hidden_size = config["hidden_size"]
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = rope["rope_type"] = "longrope"  # Phi-3's older names for it
+    if rope_type in ("longrope", "yarn") and "original_max_position_embeddings" not in rope:
+        # Phi-3 long-context checkpoints keep it beside the rope dict (4096 by default).
+        default = 4096 if architecture == "Phi3ForCausalLM" else None
+        rope["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", default or config.get("max_position_embeddings")
+        )
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) not in (
         1.0,
         None,
@@ -142,7 +150,8 @@ def _experts(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = range(config["num_hidden_layers"])
     if architecture == "Qwen3MoeForCausalLM":  # some layers may stay dense
-        step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+        step = config.get("decoder_sparse_step") or 1
+        dense = set(config.get("mlp_only_layers") or [])
         sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     else:
         sparse = tuple(layers)

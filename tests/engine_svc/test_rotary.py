@@ -4,12 +4,15 @@ cannot reach, longrope past the original context, and a type the engine refuses.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine_svc.layers.rotary import RotaryEmbedding, attention_factor
+from engine_svc.models.model_spec import load_model_spec
 
 HEAD_DIM, THETA = 8, 10000.0
 LONGROPE = {
@@ -48,3 +51,21 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor() -> None:
 def test_an_unknown_scaling_type_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'su'"):
         RotaryEmbedding(HEAD_DIM, 64, THETA, {"rope_type": "su", "factor": 2.0})
+
+
+def test_phi3_long_context_configs_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """Phi-3 128k checkpoints: rope type "su" (an older name of longrope), and
+    original_max_position_embeddings beside the rope dict, not in it."""
+    config = {
+        "architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = load_model_spec(tmp_path)
+    assert spec.rope_scaling is not None
+    assert spec.rope_scaling["rope_type"] == "longrope"
+    assert spec.rope_scaling["original_max_position_embeddings"] == 4096
+    expected = math.sqrt(1 + math.log(131072 / 4096) / math.log(4096))
+    assert attention_factor(spec.rope_scaling, 131072) == pytest.approx(expected)
