@@ -116,9 +116,10 @@ async def run_load(
     max_concurrency: int | None,
     seed: int,
     progress: bool,
-) -> list[RequestRecord]:
+) -> tuple[list[RequestRecord], float]:
     """Send the requests at their arrival times, at most `max_concurrency` in flight; a
-    record per request (its clock starts when it is sent, after waiting for a slot)."""
+    record per request (its clock starts when it is sent, after waiting for a slot), and
+    the run's duration: from its start until every request ended, as vLLM counts it."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, unit="req", file=sys.stderr)
 
@@ -133,13 +134,15 @@ async def run_load(
             return record
 
     try:
+        began = time.perf_counter()
         tasks = []
         gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
         for request, gap in zip(requests, gaps, strict=True):
             if gap > 0:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(request)))
-        return list(await asyncio.gather(*tasks))
+        records = list(await asyncio.gather(*tasks))
+        return records, time.perf_counter() - began
     finally:
         bar.close()
 
@@ -170,7 +173,7 @@ def sweep(
     figures as `delta_<name>`; `report(figures)` adds lines to its table."""
 
     async def load(rate: float, concurrency: int | None, batch: list[BenchRequest],
-                   progress: bool) -> list[RequestRecord]:  # fmt: skip
+                   progress: bool) -> tuple[list[RequestRecord], float]:  # fmt: skip
         client = connect(concurrency or len(batch))
         try:
             return await run_load(client, batch, rate, args.burstiness, concurrency,
@@ -184,10 +187,16 @@ def sweep(
     for rate, concurrency in itertools.product(args.request_rates, args.concurrencies):
         before_run()
         before = counters() if counters else {}
-        records = asyncio.run(load(rate, concurrency, requests, not args.no_progress))
+        records, duration = asyncio.run(load(rate, concurrency, requests, not args.no_progress))
         after = counters() if counters else {}
-        summary: Summary = {"request_rate": rate, "burstiness": args.burstiness,
-                            "max_concurrency": concurrency, **summarize(records)}  # fmt: skip
+        # An infinite rate is written "inf": JSON has no infinity.
+        shown_rate = rate if math.isfinite(rate) else "inf"
+        summary: Summary = {
+            "request_rate": shown_rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": concurrency,
+            **summarize(records, duration),
+        }
         summary |= {f"delta_{name}": after[name] - before[name] for name in after}
         summary |= _utilization(args, ceilings, summary)
         print(format_table(summary, f"rate {rate} req/s, max concurrency "
@@ -229,7 +238,7 @@ def finish(args: argparse.Namespace, result: dict[str, Any], runs: list[Summary]
     """The JSON file and the PNG when asked; exit 1 when a request failed."""
     result |= {**machine.identity(), "dataset": args.dataset, "dtype": args.dtype, "runs": runs}
     if args.result_file is not None:
-        args.result_file.write_text(json.dumps(result, indent=2))
+        args.result_file.write_text(json.dumps(result, indent=2, allow_nan=False))
         print(f"results: {args.result_file}")
     if args.plot is not None:
         from engine_svc.bench.plot import plot_sweep

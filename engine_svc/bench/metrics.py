@@ -3,8 +3,9 @@
 Per request: TTFT (send to the first token), E2E (send to the last), TPOT
 ((E2E - TTFT) / (output tokens - 1)) and ITL (the gaps between streamed chunks, one per
 chunk whatever tokens it carried, as vLLM counts them). Over the run:
-requests, output and total tokens per second of the run's duration (first send to last
-end), and mean, median, p90 and p99 of each latency, in milliseconds.
+requests, output and total tokens per second of the run's duration (its start to the end of
+its last request, failed ones included), and mean, median, p90 and p99 of each latency, in
+milliseconds.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ class RequestRecord:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
-def summarize(records: list[RequestRecord]) -> Summary:
+def summarize(records: list[RequestRecord], duration: float) -> Summary:
+    """The run's figures; `duration`: seconds from its start until every request ended."""
     done = [r for r in records if r.ok]
     summary: Summary = {"completed": len(done), "failed": len(records) - len(done)}
     if not done:
         return summary
-    duration = max(r.chunk_times[-1] for r in done) - min(r.sent_at for r in records)
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
     summary |= {

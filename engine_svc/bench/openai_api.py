@@ -8,8 +8,8 @@ engines run one workload, measured by one client.
 Prompts go as text (random and shared-prefix prompts decoded with the model's tokenizer, as
 every OpenAI server takes text; `--prompt-ids` sends the ids to servers that take arrays,
 such as vLLM's), with `max_tokens`, `ignore_eos` (vLLM's extension) and
-`stream_options.include_usage`: token counts are the server's; each chunk that carries text
-is timed as it arrives.
+`stream_options.include_usage`: token counts are the server's; each chunk with choices is
+timed as it arrives (its text may be empty).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _take(line: bytes, record: RequestRecord) -> bool:
     chunk: dict[str, Any] = json.loads(data)
     if "error" in chunk:
         raise load.StreamError(f"error event: {chunk['error']}")
-    if any(choice.get("text") for choice in chunk.get("choices") or []):
+    if chunk.get("choices"):  # timed even when its text is empty (a special token), as vLLM
         record.chunk_times.append(time.perf_counter())
     usage = chunk.get("usage")
     if usage:

@@ -83,9 +83,10 @@ def test_figures_follow_the_definitions() -> None:
     second = RequestRecord(sent_at=0.2, chunk_times=[0.5], output_tokens=1, prompt_tokens=6,
                            cached_tokens=4)  # fmt: skip
     failed = RequestRecord(sent_at=0.3, error="UNAVAILABLE: gone")
-    summary = summarize([first, second, failed])
+    # The run lasted 0.5 s: its start to the end of its last request (the failed one's too).
+    summary = summarize([first, second, failed], duration=0.5)
     assert (summary["completed"], summary["failed"]) == (2, 1)
-    assert summary["duration_s"] == pytest.approx(0.5)  # first send to last chunk
+    assert summary["duration_s"] == 0.5
     assert summary["total_output_tokens"] == 5 and summary["total_input_tokens"] == 16
     assert summary["cached_input_tokens"] == 4
     assert summary["request_throughput"] == pytest.approx(4.0)
@@ -97,7 +98,7 @@ def test_figures_follow_the_definitions() -> None:
     assert summary["mean_itl_ms"] == pytest.approx(150.0)  # 200 and 100
     assert summary["p99_e2el_ms"] == pytest.approx(400.0 - 0.01 * 100.0)
     assert "Mean TTFT (ms):" in format_table(summary, "t")
-    assert summarize([failed]) == {"completed": 0, "failed": 1}
+    assert summarize([failed], duration=0.1) == {"completed": 0, "failed": 1}
 
 
 def test_bf16_arithmetic_follows_the_cpu_flags_and_the_isa_cap(
