@@ -97,14 +97,19 @@ def utilization_figures(
     batch_tokens_per_s: float,
     decode_s_per_token: float,
 ) -> dict[str, float | int | None]:
-    """The ceilings, and the fractions of them a batched run and a single decode reach."""
+    """The ceilings, and the fractions of them a batched run and a single decode reach. A
+    decode time of zero or less (a request so short that the machine's noise exceeds its
+    decode) gives no MBU (None), not a meaningless one."""
     weight_bytes = num_params * bytes_per_param
+    mbu = None
+    if decode_s_per_token > 0:
+        mbu = memory_bandwidth_utilization(weight_bytes, decode_s_per_token, ceilings)
     return {
         "gemm_gflops": ceilings.flops_per_s / 1e9,
         "copy_gb_s": ceilings.bytes_per_s / 1e9,
         "num_params": num_params,
         "mfu": model_flops_utilization(num_params, batch_tokens_per_s, ceilings),
-        "mbu": memory_bandwidth_utilization(weight_bytes, decode_s_per_token, ceilings),
+        "mbu": mbu,
     }
 
 
@@ -115,5 +120,9 @@ def describe(figures: Mapping[str, float | int | str | None]) -> str:
         f"MFU of the batch, counting 2 x {figures['num_params']} params x (prompt + output) "
         f"tokens/s: {100 * (figures['mfu'] or 0):.1f}%\n"
         f"MBU of 1-request decode, counting weight bytes per token: "
-        f"{100 * (figures['mbu'] or 0):.1f}%"
+        + (
+            "not measurable (noise exceeded the decode time)"
+            if figures["mbu"] is None
+            else f"{100 * float(figures['mbu']):.1f}%"
+        )
     )

@@ -217,7 +217,10 @@ def _figures(name: str, result: SystemResult, workload: Workload) -> Summary:
         f"{name}_batch_s": result.batch_s,
         f"{name}_tok_s": result.tokens_per_s(workload),
         f"{name}_ms_per_tok": result.ms_per_token(workload),
-        f"{name}_decode_ms_per_tok": result.decode_ms_per_token(workload),
+        # None where noise exceeded the decode time (a very short request).
+        f"{name}_decode_ms_per_tok": decode
+        if (decode := result.decode_ms_per_token(workload)) > 0
+        else None,
         f"{name}_ttft_ms": 1000 * result.ttft_s,
     }
 
