@@ -160,8 +160,23 @@ def test_frontends_reach_the_leaders_and_the_leader_listens_for_its_workers(
         assert leader[probe]["grpc"]["port"] == ports["grpc"], probe
     worker = _container(pods["worker"])
     assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
+    # One budget over leaders and workers: evicting any pod restarts its whole group.
     budget = find(multinode, "PodDisruptionBudget", ENGINE)
     assert _selects(budget["spec"]["selector"], pods["leader"])
+    assert _selects(budget["spec"]["selector"], pods["worker"])
+    assert budget["spec"]["maxUnavailable"] == 1
+    budgets = list(of_kind(multinode, "PodDisruptionBudget"))
+    for pod in pods.values():  # the eviction API refuses a pod under two budgets
+        assert sum(_selects(b["spec"]["selector"], pod) for b in budgets) == 1
+        # Each role spreads over the nodes among its own kind.
+        [spread] = pod["spec"]["topologySpreadConstraints"]
+        assert _selects(spread["labelSelector"], pod)
+        assert not _selects(spread["labelSelector"], pods["worker" if pod is pods["leader"]
+                                                              else "leader"])  # fmt: skip
+        # NCCL's shared memory: /dev/shm in memory, beyond the runtime's 64 MiB.
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        [shm] = [m for m in _container(pod)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_ranks_reach_each_other_and_nothing_else_reaches_a_worker(
