@@ -28,6 +28,7 @@ EDGES = (
     "frontend_svc.client",  # the command-line client
     "frontend_svc.launcher",  # health-checks the services it starts
     "frontend_svc.serve",
+    "engine_svc.bench",  # the benchmarks: gRPC clients of the services they measure
     "shared.protos",
     "shared.frontend_protos",
     "shared.grpc_auth",
