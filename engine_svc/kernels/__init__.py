@@ -3,8 +3,8 @@
 `paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
 `add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
-causal attention of a step's prompt chunks (both float32, AVX-512). All live in
-engine_svc/kernels/csrc and are used by engine_svc/models/llama.py when the model runner
+causal attention of a step's prompt chunks (both float32). All live in
+engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
 later start only loads the library; `make kernels` builds it ahead, and DUOSERVE_CPU_ARCH

@@ -2,11 +2,8 @@
 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) over a flattened batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
-and gate/up are fused into one matmul each, and every projection's weight is stored
-transposed, [in, out]: on CPU, MKL's GEMM then skips transposing the weight while packing
-it at every call (decode's skinny matmuls ran 1.4x faster), with bit-identical results.
-With the C++ CPU kernels on, float32 projections go further: their weights are packed once
-into the blocks a GEMM micro-kernel reads (`Projection.use_packed`).
+and gate/up are fused into one matmul each, in the layout engine_svc/layers/linear.py
+chooses for the backend.
 """
 
 from __future__ import annotations
@@ -16,114 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.distributed.collectives import SINGLE, Collectives
-from engine_svc.kernels import packed_block_size, packed_linear_available
+from engine_svc.kernels import packed_linear_available
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
+from engine_svc.layers.linear import Projection
 from engine_svc.layers.moe import SparseMoE
+from engine_svc.layers.norm import RMSNorm
 from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.models.sharding import RankShards
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm, optionally after adding the residual stream (which it then returns too).
-    `fused`: one C++ pass on CPU (engine_svc/kernels) instead of torch's five to eight."""
-
-    def __init__(self, size: int, eps: float, weight_in_float32: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.fused = False
-        # OLMo 2 multiplies by the weight in float32 and casts after; the others cast the
-        # normalised value first (the same in float32, not in bfloat16).
-        self.weight_in_float32 = weight_in_float32
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); with no residual, (norm(x), x)."""
-        if self.fused:
-            if residual is None:
-                return torch.ops.duoserve.rms_norm(x, self.weight, self.eps), x
-            summed, normed = torch.ops.duoserve.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed, summed
-        if residual is not None:
-            x = residual + x  # Hugging Face's order
-        # Computed in float32 then cast back, exactly as Hugging Face does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_float32:
-            return (self.weight * x32).to(x.dtype), x
-        return self.weight * x32.to(x.dtype), x
-
-
-def transposed(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight as a contiguous [in, out] tensor, for `matmul`."""
-    return weight.detach().t().contiguous()
-
-
-def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight_t (+ bias), weight_t being [in, out]: F.linear with a transposed weight."""
-    if bias is None:
-        return x @ weight_t
-    return torch.addmm(bias, x, weight_t)
-
-
-class Projection(nn.Module):
-    """A linear layer without nn.Linear's init cost, in one of three weight layouts:
-    `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
-    embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
-    `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
-    packed_linear.cpp), set by `pack()`, which replaces the others (but a `shared_weight`,
-    tied to the embeddings, stays). The model chooses a layout once, at load time."""
-
-    weight_t: torch.Tensor | None
-    weight_packed: torch.Tensor | None
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.out_features = out_features
-        self.shared_weight = False
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.register_buffer("weight_t", None, persistent=False)
-        self.register_buffer("weight_packed", None, persistent=False)
-
-    @classmethod
-    def fused(cls, parts: list[Projection]) -> Projection:
-        """One projection computing `parts` side by side (q/k/v, gate/up), transposed."""
-        fused = cls(parts[0].weight.shape[1], sum(p.out_features for p in parts), False)
-        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))
-        if parts[0].bias is not None:
-            fused.bias = nn.Parameter(
-                torch.cat([p.bias.detach() for p in parts if p.bias is not None])
-            )
-        fused.transpose()
-        return fused
-
-    def transpose(self) -> None:
-        self.weight_t = transposed(self.weight)
-        del self.weight
-
-    def pack(self) -> None:
-        if self.weight_packed is not None:
-            return
-        source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
-        block = packed_block_size(self.out_features)
-        self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
-        self.weight_t = None
-        if hasattr(self, "weight") and not self.shared_weight:
-            del self.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_packed is not None:
-            return torch.ops.duoserve.packed_linear(
-                x, self.weight_packed, self.out_features, self.bias
-            )
-        if self.weight_t is not None:
-            return matmul(x, self.weight_t, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):

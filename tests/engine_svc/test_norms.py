@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_svc.models.llama import RMSNorm
+from engine_svc.layers.norm import RMSNorm
 
 
 @pytest.mark.parametrize(("module", "name", "weight_in_float32"), [

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_svc.kernels import cpu_kernels_available, packed_block_size, packed_linear_available
 from engine_svc.kernels.loader import loaded_build
-from engine_svc.models.llama import Projection
+from engine_svc.layers.linear import Projection
 
 
 @pytest.fixture(scope="module", autouse=True)
