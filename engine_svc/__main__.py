@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         from shared.model_store import ensure_default_model
 
         args.model = str(ensure_default_model())
-    model_dir = str(Path(args.model).resolve())
+    from shared.model_store import resolve_model
+
+    model_dir = str(resolve_model(args.model))  # a GGUF file: its converted directory
     try:
         config = engine_config(args, model_dir)
         check_divisible(

@@ -13,7 +13,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
-from shared.model_store import ensure_default_model
+from shared.model_store import ensure_default_model, resolve_model
 
 Prompt = str | list[int]
 
@@ -39,7 +39,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         from transformers import AutoTokenizer  # text is this class's business only
 
-        model_dir = model or str(ensure_default_model())
+        # A GGUF file serves as its converted directory (shared/model_store.py).
+        model_dir = str(resolve_model(model)) if model else str(ensure_default_model())
         self.config = EngineConfig(model=model_dir, **engine_options)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.client = InprocClient(self.config)

