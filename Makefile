@@ -111,10 +111,13 @@ run-engine: $(GEN_STAMP) $(KERNEL_STAMP)
 run-frontend: $(GEN_STAMP)
 	$(PY) -m frontend_svc $(ARGS)
 
-# The default model; BENCH_MODE=serve goes through the frontend's API (engine_svc/bench/).
+# The default model, or MODEL=DIR (a Hugging Face directory of a supported family);
+# BENCH_MODE=serve goes through the frontend's API (engine_svc/bench/).
 BENCH_MODE ?= offline
+MODEL ?=
 bench: $(GEN_STAMP) $(KERNEL_STAMP)
-	$(PY) -m engine_svc.bench $(BENCH_MODE) --model "$$($(PY) -m shared.model_store | tail -n 1)" $(ARGS)
+	$(PY) -m engine_svc.bench $(BENCH_MODE) \
+		--model "$(if $(MODEL),$(MODEL),$$($(PY) -m shared.model_store | tail -n 1))" $(ARGS)
 
 # Both services under steady mixed load for SOAK_MINUTES (10) with SOAK_CONCURRENCY (16)
 # clients: fails on any unexpected error, a leaked KV block, or memory growth over 5%.

@@ -10,6 +10,7 @@ prompt and max_tokens that do not fit the model length or the KV cache.
 from __future__ import annotations
 
 from engine_svc.control_messages import EngineInfo
+from engine_svc.core.kv_cache.sizing import blocks_per_request
 from engine_svc.messages import EngineCoreRequest
 from engine_svc.structured.grammars import check_constraint
 from shared.errors import InvalidRequestError
@@ -43,7 +44,10 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
             f"prompt ({num_prompt}) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"max_model_len={limits.max_model_len}",
         )
-    if -(-total // limits.block_size) > limits.num_kv_blocks:
+    needed = blocks_per_request(
+        total, limits.block_size, limits.attention_span, limits.max_num_batched_tokens
+    )
+    if needed > limits.num_kv_blocks:
         raise InvalidRequestError(
             "max_tokens",
             f"{total} tokens need more KV blocks than the {limits.num_kv_blocks} that exist",

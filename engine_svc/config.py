@@ -90,6 +90,9 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "fcfs"
     vocab_size: int = 0  # 0: token ids are not checked
     eos_token_ids: frozenset[int] = frozenset()
+    # The most tokens back any layer attends over (every layer windowed): older KV blocks
+    # are released as a sequence grows. None: every layer reads the whole sequence.
+    attention_span: int | None = None
 
 
 def _check(ok: bool, field: str, message: str) -> None:

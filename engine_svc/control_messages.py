@@ -54,6 +54,9 @@ class EngineInfo(msgspec.Struct, array_like=True):
     num_kv_blocks: int
     max_num_seqs: int
     architecture: str = ""  # config.json's architectures[0]
+    # Where every layer is windowed: the span, and the longest step (its KV use is bounded).
+    attention_span: int | None = None
+    max_num_batched_tokens: int | None = None
 
 
 class EngineDead(msgspec.Struct, array_like=True):

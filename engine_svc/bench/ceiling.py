@@ -64,18 +64,23 @@ def measure_copy_bandwidth(num_bytes: int = COPY_BYTES) -> float:
 
 
 def count_parameters(model_dir: str | Path) -> int:
-    """Parameters in the checkpoint, a tied embedding counted once (it is also the LM head)."""
+    """Parameters each token runs through, from the checkpoint: a tied embedding counted
+    once (it is also the LM head), and a mixture's experts as the share of them a token is
+    routed to (num_experts_per_tok of num_experts)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
-    total = 0
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    routed = config["num_experts_per_tok"] / num_experts if num_experts else 1.0
+    total = 0.0
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if tied and name == "lm_head.weight":
                     continue
-                total += math.prod(handle.get_slice(name).get_shape())
-    return total
+                size = math.prod(handle.get_slice(name).get_shape())
+                total += size * routed if ".experts." in name else size
+    return round(total)
 
 
 def model_flops_utilization(num_params: int, tokens_per_s: float, ceilings: Ceilings) -> float:
@@ -117,8 +122,8 @@ def describe(figures: Mapping[str, float | int | str | None]) -> str:
     return (
         f"ceilings: GEMM {figures['gemm_gflops']:.1f} GFLOP/s, "
         f"copy {figures['copy_gb_s']:.1f} GB/s (read+write)\n"
-        f"MFU of the batch, counting 2 x {figures['num_params']} params x (prompt + output) "
-        f"tokens/s: {100 * (figures['mfu'] or 0):.1f}%\n"
+        f"MFU of the batch, counting 2 x {figures['num_params']} params per token x "
+        f"(prompt + output) tokens/s: {100 * (figures['mfu'] or 0):.1f}%\n"
         f"MBU of 1-request decode, counting weight bytes per token: "
         + (
             "not measurable (noise exceeded the decode time)"

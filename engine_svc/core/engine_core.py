@@ -75,6 +75,7 @@ class EngineCore:
                 policy=config.scheduling_policy,
                 vocab_size=self.spec.vocab_size,
                 eos_token_ids=frozenset(self.spec.eos_token_ids),
+                attention_span=self.spec.attention_span,
             )
         )
         self.structured_output = StructuredOutputManager(
@@ -107,6 +108,8 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.config.max_num_seqs,
                 num_blocks_override=self.config.num_kv_blocks,
+                attention_span=self.spec.attention_span,
+                max_step_tokens=max_batched_tokens,
             )
             for worker in workers
         ]
@@ -142,6 +145,8 @@ class EngineCore:
             num_kv_blocks=config.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
             architecture=self.spec.architecture,
+            attention_span=config.attention_span,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -274,26 +279,6 @@ class EngineCore:
 
 def _resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
-    window = spec.sliding_window
-    if window is not None and window < limit:
-        # The paged attention attends to every earlier token: past the window that would
-        # differ from the model's own attention, so sequences stay within the window.
-        if config.max_model_len is not None and config.max_model_len > window:
-            raise InvalidRequestError(
-                "max_model_len",
-                f"{config.max_model_len} exceeds {spec.architecture}'s sliding window of "
-                f"{window} tokens, past which this engine's attention is not windowed yet",
-            )
-        if config.max_model_len is None:
-            logger.warning(
-                "%s attends over a sliding window of %d tokens: max_model_len is %d, not "
-                "the model's %d positions, so that every token is exact",
-                spec.architecture,
-                window,
-                window,
-                limit,
-            )
-        limit = window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

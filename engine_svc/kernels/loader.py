@@ -220,9 +220,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # int32 [seqs]
     max_context_len: int,
     scale: float,
+    window: int | None = None,  # attend to the last `window` tokens only
 ) -> torch.Tensor:
     return torch.ops.duoserve.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale
+        q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, window or 0
     )
 
 

@@ -10,14 +10,26 @@ class RMSNorm(nn.Module):
     """RMSNorm, optionally after adding the residual stream (which it then returns too).
     `fused`: one C++ pass on CPU (engine_svc/kernels) instead of torch's five to eight."""
 
-    def __init__(self, size: int, eps: float, weight_in_float32: bool = False) -> None:
+    def __init__(
+        self, size: int, eps: float, weight_in_float32: bool = False, offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.fused = False
-        # OLMo 2 multiplies by the weight in float32 and casts after; the others cast the
-        # normalised value first (the same in float32, not in bfloat16).
+        # OLMo 2 and Gemma multiply by the weight in float32 and cast after; the others cast
+        # the normalised value first (the same in float32, not in bfloat16).
         self.weight_in_float32 = weight_in_float32
+        # Gemma scales by 1 + weight (its checkpoints hold the difference from 1).
+        self.offset = offset
+
+    def fuse(self) -> None:
+        """Run as the C++ pass (float32 only where the weight applies in float32), with the
+        offset folded into the weight: the same float32 sum Gemma computes at every call."""
+        self.fused = True
+        if self.offset:
+            self.weight = nn.Parameter(self.offset + self.weight.detach().float())
+            self.offset = 0.0
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -34,5 +46,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_float32:
-            return (self.weight * x32).to(x.dtype), x
+            scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+            return (x32 * scale).to(x.dtype), x
         return self.weight * x32.to(x.dtype), x

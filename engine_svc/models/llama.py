@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo 2,
-and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) over a flattened batch.
+Gemma 2 and 3, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE) over a flattened
+batch.
 
 Weights keep their Hugging Face names so a checkpoint loads as is. After loading, q/k/v
 and gate/up are fused into one matmul each, in the layout engine_svc/layers/linear.py
@@ -24,12 +25,21 @@ from engine_svc.models.sharding import RankShards
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# The MLP gate activations, by their config names.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
 
 class Attention(nn.Module):
     qkv: Projection  # q, k and v in one matmul, set by fuse()
 
-    def __init__(self, spec: ModelSpec, shards: RankShards, collectives: Collectives) -> None:
+    def __init__(
+        self, spec: ModelSpec, shards: RankShards, collectives: Collectives, index: int
+    ) -> None:
         super().__init__()
+        self.window = spec.window_of(index)  # None: attends over the whole sequence
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads = shards.num_heads
         self.num_kv_heads = shards.num_kv_heads
@@ -52,13 +62,15 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         self.qk_norm_whole = spec.qk_norm_whole
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        if spec.qk_norm:  # Gemma 3's scale by 1 + weight in float32
+            offset = spec.norm_offset
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, bool(offset), offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, bool(offset), offset)
         elif spec.qk_norm_whole:
             self.q_norm = RMSNorm(q_size, spec.rms_norm_eps, spec.post_norms)
             self.k_norm = RMSNorm(kv_size, spec.rms_norm_eps, spec.post_norms)
         self.clip_qkv = spec.clip_qkv  # OLMoE: q, k and v clamped after the norms
+        self.softcap = spec.attn_logit_softcapping  # Gemma 2
 
     def fuse(self) -> None:
         if hasattr(self, "qkv_proj"):
@@ -96,7 +108,9 @@ class Attention(nn.Module):
             torch.ops.duoserve.rotary_inplace(k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
+        )
         return self.collectives.all_reduce(self.o_proj(out.flatten(1)))
 
 
@@ -113,6 +127,9 @@ class MLP(nn.Module):
             self.gate_proj = Projection(spec.hidden_size, size, False)
             self.up_proj = Projection(spec.hidden_size, size, False)
         self.down_proj = Projection(size, spec.hidden_size, False)
+        self.act = spec.hidden_act
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"hidden activation {self.act!r} is not supported")
         self.fused_act = False  # silu(gate) * up in one C++ pass
 
     def fuse(self) -> None:
@@ -131,7 +148,7 @@ class MLP(nn.Module):
             hidden = torch.ops.duoserve.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
+            hidden = ACTIVATIONS[self.act](gate) * up
         return self.collectives.all_reduce(self.down_proj(hidden))
 
 
@@ -140,7 +157,7 @@ class DecoderLayer(nn.Module):
         self, spec: ModelSpec, shards: RankShards, collectives: Collectives, index: int
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, shards, collectives)
+        self.self_attn = Attention(spec, shards, collectives, index)
         # The feed-forward block, under its checkpoint name: the experts of a mixture
         # (Mixtral calls them block_sparse_moe), or the dense MLP.
         self.ffn_name = "mlp"
@@ -150,13 +167,21 @@ class DecoderLayer(nn.Module):
             self.add_module(self.ffn_name, SparseMoE(spec))
         else:
             self.mlp = MLP(spec, shards, collectives)
-        self.post_norms = spec.post_norms
-        if spec.post_norms:  # OLMo 2: each block's output normalised, its input not
-            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
-            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
-        else:
-            self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # Llama: each block's input normalised (the "post-attention" norm is the MLP's
+        # input norm). OLMo 2: each block's output instead; Gemma: both (sandwich norms).
+        # Those two apply the weight in float32, Gemma's as 1 + weight.
+        size, eps, offset = spec.hidden_size, spec.rms_norm_eps, spec.norm_offset
+        self.post_norms = spec.post_norms or spec.sandwich_norms
+        self.pre_norms = spec.sandwich_norms
+        if self.post_norms:
+            self.post_attention_layernorm = RMSNorm(size, eps, True, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, True, offset)
+        if self.pre_norms:
+            self.input_layernorm = RMSNorm(size, eps, True, offset)
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, True, offset)
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(size, eps)
+            self.post_attention_layernorm = RMSNorm(size, eps)
         self.residual_multiplier = spec.residual_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(
@@ -172,9 +197,11 @@ class DecoderLayer(nn.Module):
         added to the residual stream; returns this layer's MLP output and the stream."""
         if self.post_norms:
             stream = x if residual is None else residual + x
-            attn = self.self_attn(stream, cos, sin, kv_cache, meta)
+            hidden = self.input_layernorm(stream)[0] if self.pre_norms else stream
+            attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
             stream = stream + self.post_attention_layernorm(attn)[0]
-            return self.post_feedforward_layernorm(self.ffn(stream))[0], stream
+            hidden = self.pre_feedforward_layernorm(stream)[0] if self.pre_norms else stream
+            return self.post_feedforward_layernorm(self.ffn(hidden))[0], stream
         hidden, residual = self.input_layernorm(x, residual)
         attn = self.self_attn(hidden, cos, sin, kv_cache, meta)
         if self.residual_multiplier != 1.0:
@@ -216,7 +243,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = None
         if layout.is_last_stage:
-            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.post_norms)
+            in_float32 = spec.post_norms or spec.sandwich_norms
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, in_float32, spec.norm_offset)
 
     def local_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
@@ -237,6 +265,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling
         )
+        # Gemma 3: the windowed layers rotate by their own base (None: by the global one).
+        self.local_rotary: RotaryEmbedding | None = None
+        if spec.local_rope_theta is not None and spec.window_layers:
+            self.local_rotary = RotaryEmbedding(
+                spec.head_dim,
+                spec.max_position_embeddings,
+                spec.local_rope_theta,
+                spec.local_rope_scaling,
+            )
         self.lm_head = None
         if collectives.layout.is_last_stage:
             self.lm_head = Projection(spec.hidden_size, self.shards.vocab_per_rank, False)
@@ -262,11 +299,12 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
             elif isinstance(module, RMSNorm):
                 # The C++ pass casts before the weight, as most families do.
-                module.fused = enabled and not (module.weight_in_float32 and dtype != torch.float32)
+                if enabled and not (module.weight_in_float32 and dtype != torch.float32):
+                    module.fuse()
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled
             elif isinstance(module, MLP):
-                module.fused_act = enabled
+                module.fused_act = enabled and module.act == "silu"
 
     def forward(
         self,
@@ -284,16 +322,24 @@ class LlamaForCausalLM(nn.Module):
             residual: torch.Tensor | None = None
         else:
             x, residual = intermediate[0], intermediate[1]
-        if self.fused_ops:
-            cos, sin = self.rotary.cos_sin_rows(positions)
-        else:
-            cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        tables = self._rotary_tables(self.rotary, positions, x.dtype)
+        local_tables = tables
+        if self.local_rotary is not None:
+            local_tables = self._rotary_tables(self.local_rotary, positions, x.dtype)
         for layer, kv_cache in zip(self.model.local_layers(), kv_caches, strict=True):
+            cos, sin = tables if layer.self_attn.window is None else local_tables
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         if self.model.norm is None:
             assert residual is not None
             return torch.stack((x, residual))
         return self.model.norm(x, residual)[0]
+
+    def _rotary_tables(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_ops:
+            return rotary.cos_sin_rows(positions)
+        return rotary.cos_sin(positions, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens
@@ -305,8 +351,11 @@ class LlamaForCausalLM(nn.Module):
             mine = (input_ids >= start) & (input_ids < end)
             x = embed(torch.where(mine, input_ids - start, 0))
             x = self.collectives.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
-        if self.spec.embedding_multiplier != 1.0:
-            x = x * self.spec.embedding_multiplier
+        multiplier = self.spec.embedding_multiplier
+        if self.spec.embedding_multiplier_in_dtype:  # Gemma: sqrt(hidden) as the dtype has it
+            return x * torch.tensor(multiplier, dtype=x.dtype, device=x.device)
+        if multiplier != 1.0:
+            x = x * multiplier
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -316,4 +365,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.collectives.all_gather_last_dim(logits)[:, : self.spec.vocab_size]
         if self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
         return logits

@@ -53,7 +53,10 @@ def load_model(
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:5])}")
     model.load_state_dict(state, strict=False, assign=True)
-    model.rotary.to(device)  # its tables were computed on the CPU, meta context or not
+    # The rotary tables were computed on the CPU, meta context or not.
+    model.rotary.to(device)
+    if model.local_rotary is not None:
+        model.local_rotary.to(device)
     model.finish_loading()
     model.eval().requires_grad_(False)
     num_params = sum(t.numel() for t in state.values())

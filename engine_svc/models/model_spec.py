@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,37 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Families whose attention projections carry a bias unless their config says otherwise.
 _BIASED_BY_DEFAULT = ("Qwen2ForCausalLM",)
 # Families that RMS-normalise each head of q and k before the rotary embedding.
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Gemma: norms scale by 1 + weight in float32, before and after attention and the MLP; the
+# embeddings are scaled by sqrt(hidden_size) rounded to the model's dtype.
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Families that RMS-normalise q and k whole (every head's dims together) before the rotary.
 _QK_NORM_WHOLE = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
 # Families whose layers normalise each block's output (post-norms) instead of its input.
 _POST_NORMS = ("Olmo2ForCausalLM",)
 # Families whose checkpoints hold q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 _FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
+# Families whose every layer attends over the config's sliding_window, when it names one.
+_WINDOW_IN_EVERY_LAYER = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+# Families whose layer_types say which layers are windowed, and the default where a config
+# predates layer_types: (layer index, config) -> windowed.
+_WINDOW_BY_LAYER_TYPE: dict[str, Callable[[int, dict[str, Any]], bool]] = {
+    "Qwen2ForCausalLM": lambda i, config: i >= config.get("max_window_layers", 28),
+    "Qwen3ForCausalLM": lambda i, config: i >= config.get("max_window_layers", 28),
+    "Gemma2ForCausalLM": lambda i, config: i % 2 == 0,
+    "Gemma3ForCausalLM": lambda i, config: (i + 1) % config.get("sliding_window_pattern", 6) != 0,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,11 +69,13 @@ class ModelSpec:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before the rotary embedding (Qwen3)
-    # Tokens each query attends back over (Mistral's sliding_window); None: all of them.
+    # Tokens each query attends back over in the windowed layers, itself included (the
+    # config's sliding_window); None: every layer attends over all earlier tokens.
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     is_causal: bool  # False: the prompt attends both ways (prefix-LM)
     torch_dtype: str
+    window_layers: tuple[int, ...] = ()  # the layers that attend over sliding_window only
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
     qk_norm_whole: bool = False  # RMSNorm of all of q and of all of k (OLMo 2)
     post_norms: bool = False  # norm after attention and MLP, none before (OLMo 2)
@@ -75,6 +98,31 @@ class ModelSpec:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
 
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    # Gemma: the norms' scale is 1 + weight (in float32); layers norm each block's input
+    # and output (sandwich norms); the embedding multiplier is rounded to the model dtype.
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embedding_multiplier_in_dtype: bool = False
+    # Gemma 2: attention scores and final logits squashed by cap * tanh(x / cap).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the windowed layers' own rotary base and scaling (None: the global ones).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        """The tokens layer `layer` attends back over; None: all of them."""
+        return self.sliding_window if layer in self.window_layers else None
+
+    @property
+    def attention_span(self) -> int | None:
+        """The most tokens back that any layer reads: where every layer is windowed, KV
+        blocks older than that can be released. None: some layer reads them all."""
+        if len(self.window_layers) < self.num_layers:
+            return None
+        return self.sliding_window
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, before the element size."""
@@ -96,6 +144,10 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     num_heads = config["num_attention_heads"]
     hidden_size = config["hidden_size"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    local_rope: dict[str, Any] = {}
+    if "full_attention" in rope:  # Gemma 3: one rotary per kind of layer
+        local_rope = dict(rope.get("sliding_attention") or {})
+        rope = dict(rope["full_attention"] or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if architecture == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
         rope_type = rope["rope_type"] = "longrope"  # Phi-3's older names for it
@@ -111,6 +163,13 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     ):
         raise ValueError(f"{architecture}: a partial_rotary_factor is not supported")
     granite = architecture == "GraniteForCausalLM"
+    gemma = architecture in _GEMMA
+    is_causal = not config.get("use_bidirectional_attention", False)
+    window, window_layers = _windows(architecture, config)
+    if window is not None and not is_causal:
+        raise ValueError(
+            f"{architecture}: a sliding window over bidirectional attention is not supported"
+        )
     return ModelSpec(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -127,20 +186,51 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", architecture in _BIASED_BY_DEFAULT),
         qk_norm=architecture in _QK_NORM,
-        sliding_window=_sliding_window(config),
+        sliding_window=window,
         eos_token_ids=_eos_ids(model_dir, config),
-        is_causal=not config.get("use_bidirectional_attention", False),
+        is_causal=is_causal,
         torch_dtype=config.get("dtype") or config.get("torch_dtype") or "float32",
+        window_layers=window_layers,
         fused_checkpoint=architecture in _FUSED_CHECKPOINT,
         qk_norm_whole=architecture in _QK_NORM_WHOLE,
         post_norms=architecture in _POST_NORMS,
         clip_qkv=config.get("clip_qkv"),
         **_experts(architecture, config),
-        embedding_multiplier=config.get("embedding_multiplier", 1.0) if granite else 1.0,
-        residual_multiplier=config.get("residual_multiplier", 1.0) if granite else 1.0,
-        attention_multiplier=config.get("attention_multiplier") if granite else None,
-        logits_scaling=config.get("logits_scaling", 1.0) if granite else 1.0,
+        **(_granite(config) if granite else {}),
+        **(_gemma(architecture, config, hidden_size, local_rope) if gemma else {}),
     )
+
+
+def _granite(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "embedding_multiplier": config.get("embedding_multiplier", 1.0),
+        "residual_multiplier": config.get("residual_multiplier", 1.0),
+        "attention_multiplier": config.get("attention_multiplier"),
+        "logits_scaling": config.get("logits_scaling", 1.0),
+    }
+
+
+def _gemma(
+    architecture: str, config: dict[str, Any], hidden_size: int, local_rope: dict[str, Any]
+) -> dict[str, Any]:
+    """Gemma 2 and 3's traits (their config.json defaults where a key is absent)."""
+    local_type = local_rope.get("rope_type", local_rope.get("type", "default"))
+    gemma2 = architecture == "Gemma2ForCausalLM"
+    return {
+        "hidden_act": config.get("hidden_activation")
+        or config.get("hidden_act")
+        or "gelu_pytorch_tanh",
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_multiplier": hidden_size**0.5,
+        "embedding_multiplier_in_dtype": True,
+        "attention_multiplier": config.get("query_pre_attn_scalar", 256) ** -0.5,
+        # Gemma 2 caps both unless its config says otherwise; Gemma 3 neither.
+        "attn_logit_softcapping": config.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        "final_logit_softcapping": config.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        "local_rope_theta": local_rope.get("rope_theta", config.get("rope_local_base_freq")),
+        "local_rope_scaling": None if local_type == "default" else local_rope,
+    }
 
 
 def _experts(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -166,13 +256,24 @@ def _experts(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _sliding_window(config: dict[str, Any]) -> int | None:
-    """The attention window, where the config turns one on (Qwen2 and Qwen3 name a window
-    but leave it off unless use_sliding_window)."""
+def _windows(architecture: str, config: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """The attention window and the layers it applies to, as transformers reads them for
+    the family: Qwen2 and Qwen3 name a window but leave it off unless use_sliding_window;
+    Llama, Granite, OLMo 2 and OLMoE ignore it."""
     window = config.get("sliding_window")
     if window is None or config.get("use_sliding_window", True) is False:
-        return None
-    return int(window)
+        return None, ()
+    layers = range(config["num_hidden_layers"])
+    if architecture in _WINDOW_IN_EVERY_LAYER:
+        return int(window), tuple(layers)
+    if architecture not in _WINDOW_BY_LAYER_TYPE:
+        return None, ()
+    types = config.get("layer_types")
+    if types is not None:
+        windowed = tuple(i for i in layers if types[i] == "sliding_attention")
+    else:
+        windowed = tuple(i for i in layers if _WINDOW_BY_LAYER_TYPE[architecture](i, config))
+    return (int(window), windowed) if windowed else (None, ())
 
 
 def _eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:

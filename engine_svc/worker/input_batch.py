@@ -202,7 +202,7 @@ def _attention_metadata(
 ) -> AttentionMetadata:
     """Decodes read the cache through padded block tables: with the C++ kernel, as int32
     with their context lengths; without it, under an additive padding mask."""
-    block_tables = mask = kernel_inputs = None
+    block_tables = mask = lens = kernel_inputs = None
     num_decodes = len(decodes.context_lens)
     if num_decodes:
         width = max(len(t) for t in decodes.block_tables)
@@ -230,6 +230,7 @@ def _attention_metadata(
         decode_block_tables=block_tables,
         decode_mask=mask,
         prefills=prefills.chunks,
+        decode_context_lens=lens,
         is_causal=is_causal,
         decode_kernel=kernel_inputs,
         prefill_kernel=prefill_inputs,

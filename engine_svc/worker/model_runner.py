@@ -70,7 +70,11 @@ class ModelRunner:
         self.fail_after_steps = fail_after_steps
         # Decode attention in C++ on CPU, built on first use (engine_svc/kernels).
         self.cpu_kernels = cpu_kernels and device.type == "cpu" and cpu_kernels_available()
-        self.prefill_kernel = self.cpu_kernels and prefill_attention_available(dtype, spec.head_dim)
+        # The attention kernels do not soft-cap scores (Gemma 2): those models attend in torch.
+        self.decode_kernel = self.cpu_kernels and spec.attn_logit_softcapping is None
+        self.prefill_kernel = self.decode_kernel and prefill_attention_available(
+            dtype, spec.head_dim
+        )
         self.model.use_fused_ops(self.cpu_kernels, dtype)
         if device.type == "cpu":
             logger.info(
@@ -124,7 +128,7 @@ class ModelRunner:
             self.spec.is_causal,
             self.device,
             self.dtype,
-            self.cpu_kernels,
+            self.decode_kernel,
             self.prefill_kernel,
         )
         intermediate = None

@@ -2,7 +2,7 @@
 attention over block sizes, GQA groups, head sizes, dtypes and context lengths (1, exact
 block multiples, ragged), for one sequence (a task per KV head) and many (a task per
 sequence); the fused RMSNorm, rotary and silu * up; prefill attention against SDPA per
-chunk. (packed_linear: test_packed_linear.py.)"""
+chunk; both under sliding windows. (packed_linear: test_packed_linear.py.)"""
 
 from __future__ import annotations
 
@@ -50,14 +50,20 @@ def _case(
     return q, k_cache, v_cache, tables, lens
 
 
-def _reference(inputs: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
-    """The plain-torch decode path: gather the blocks, mask the padding, SDPA."""
+def _reference(
+    inputs: tuple[torch.Tensor, ...], scale: float, window: int | None = None
+) -> torch.Tensor:
+    """The plain-torch decode path: gather the blocks, mask the padding (and the keys before
+    a sliding window, built here rather than by the path under test), SDPA."""
     q, k_cache, v_cache, tables, lens = inputs
-    keys = torch.arange(tables.shape[1] * k_cache.shape[1])
-    visible = (keys.unsqueeze(0) < lens.unsqueeze(1).long()).view(len(lens), 1, 1, -1)
+    keys = torch.arange(tables.shape[1] * k_cache.shape[1]).unsqueeze(0)
+    visible = keys < lens.unsqueeze(1).long()
+    if window is not None:
+        visible &= keys >= lens.unsqueeze(1).long() - window
+    visible = visible.view(len(lens), 1, 1, -1)
     mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables.long(), mask, [])
-    return _decode_attention(q, k_cache, v_cache, meta, scale)
+    return _decode_attention(q, k_cache, v_cache, meta, scale, None)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +111,35 @@ def test_kernel_matches_torch_half_precision(dtype: torch.dtype) -> None:
     expected = _reference(as_float, 0.125)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
+def test_a_sliding_window_reads_only_its_last_tokens(window: int, dtype: torch.dtype) -> None:
+    """Each query attends to its last `window` tokens; the blocks wholly before them may
+    have been released and reused, so the kernel must not read them: here they hold NaN."""
+    lens = [1, 16, 17, 40, 41, 200]
+    inputs = _case(len(lens), 8, 2, 16, lens, dtype, seed=4)
+    _, k_cache, v_cache, tables, context_lens = inputs
+    expected = _reference(tuple(t.float() if t.is_floating_point() else t for t in inputs),
+                          0.125, window)  # fmt: skip
+    for row, length in enumerate(lens):
+        released = tables[row, : max(0, length - window) // 16].long()
+        k_cache[released] = float("nan")
+        v_cache[released] = float("nan")
+    got = paged_decode_attention(*inputs, max(lens), 0.125, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    # The torch path's own window mask (AttentionMetadata.decode_mask_for), on clean blocks.
+    if dtype == torch.float32:
+        clean = _case(len(lens), 8, 2, 16, lens, dtype, seed=4)
+        keys = torch.arange(tables.shape[1] * 16)
+        padding = (keys.unsqueeze(0) < context_lens.unsqueeze(1).long()).view(len(lens), 1, 1, -1)
+        mask = torch.zeros(padding.shape).masked_fill_(~padding, float("-inf"))
+        meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), tables.long(),
+                                 mask, [], decode_context_lens=context_lens.long())  # fmt: skip
+        torch_path = _decode_attention(clean[0], clean[1], clean[2], meta, 0.125, window)
+        torch.testing.assert_close(torch_path, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_rejects_bad_inputs_with_an_error() -> None:
@@ -194,15 +229,23 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
 # ---- prefill attention ----------------------------------------------------------------------
 
 
-def _sdpa_per_chunk(q, k, v, starts: list[int], lens: list[int], scale: float) -> torch.Tensor:
+def _sdpa_per_chunk(
+    q, k, v, starts: list[int], lens: list[int], scale: float, window: int | None = None
+) -> torch.Tensor:
     out = torch.zeros_like(q)
     for start, length in zip(starts, lens, strict=True):
         rows = slice(start, start + length)
+        mask = None
+        if window is not None:  # query i attends to keys (i - window, i]
+            position = torch.arange(length)
+            offset = position.unsqueeze(1) - position.unsqueeze(0)
+            mask = (offset >= 0) & (offset < window)
         attended = torch.nn.functional.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),
             k[rows].transpose(0, 1).unsqueeze(0),
             v[rows].transpose(0, 1).unsqueeze(0),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -211,10 +254,12 @@ def _sdpa_per_chunk(q, k, v, starts: list[int], lens: list[int], scale: float) -
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 64), (4, 1, 128)]
-)
+    ("num_heads", "num_kv_heads", "head_dim", "window"),
+    [(9, 3, 64, None), (8, 8, 64, None), (4, 1, 128, None), (9, 3, 64, 1), (8, 2, 64, 50),
+     (8, 2, 128, 64), (9, 3, 64, 1000)],
+)  # fmt: skip
 def test_prefill_kernel_matches_sdpa_per_chunk(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None
 ) -> None:
     # One token, a 64-row task and one row either side, several tasks; after a gap of
     # tokens that belong to no chunk (decodes, chunks with context).
@@ -230,8 +275,9 @@ def test_prefill_kernel_matches_sdpa_per_chunk(
     v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
     out = torch.zeros(tokens, num_heads, head_dim)
     as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
-    torch.ops.duoserve.prefill_attention_(out, q, k, v, as_int32(starts), as_int32(lens), 0.11)
-    expected = _sdpa_per_chunk(q, k, v, starts, lens, 0.11)
+    spans = (as_int32(starts), as_int32(lens))
+    torch.ops.duoserve.prefill_attention_(out, q, k, v, *spans, 0.11, window or 0)
+    expected = _sdpa_per_chunk(q, k, v, starts, lens, 0.11, window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert not out[:5].any() and not out[-3:].any()  # rows of no chunk stay untouched
 

@@ -232,3 +232,53 @@ def test_every_block_is_free_after_all_requests_are_freed() -> None:
 
     assert_all_blocks_free(manager)
     assert manager.reset_prefix_cache() is True
+
+
+# ---- sliding windows (every layer attends over the last `attention_span` tokens) -----------
+
+
+def test_a_windowed_request_releases_the_blocks_behind_its_window() -> None:
+    """Span 6, blocks of 4: before computing position p, blocks wholly before p - 5 go back
+    to the pool; their places read as block 0 (masked out), the rest keep their ids."""
+    manager = KVCacheManager(8, BLOCK_SIZE, enable_caching=False, attention_span=6)
+    request = make_request("a", list(range(12)))
+    prefill(manager, request)  # 12 tokens: 3 blocks
+    prompt_blocks = manager.block_ids("a")
+    assert manager.num_blocks_held("a") == 3
+
+    held = []
+    for token in range(100, 110):  # positions 12..21
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        held.append(manager.num_blocks_held("a"))
+    # Position 12 sees 7..12 (blocks 1-3), 13 sees 8..13 (blocks 2-3), ..., 21 sees 16..21
+    # (blocks 4-5): three blocks where a new block starts, else two.
+    assert held == [3, 2, 2, 2, 3, 2, 2, 2, 3, 2]
+    assert manager.block_ids("a")[:4] == [0, 0, 0, 0] and len(manager.block_ids("a")) == 6
+    assert manager.pool.num_free_blocks == 8 - 2
+    # Released blocks were free to reuse: the request's later blocks took them back.
+    assert set(manager.block_ids("a")[4:]) <= set(prompt_blocks)
+
+    manager.free(request)
+    assert_all_blocks_free(manager)
+
+
+def test_prefix_hits_before_the_window_are_not_taken() -> None:
+    """A cached prefix of 5 blocks, then a token to compute at position 20 with span 6: only
+    the hit blocks that hold positions 15..19 are touched; the older ones stay in the free
+    list, cached, and the request's table reads 0 there."""
+    manager = KVCacheManager(10, BLOCK_SIZE, enable_caching=True, attention_span=6)
+    first = make_request("a", list(range(21)))
+    prefill(manager, first)
+    manager.free(first)
+
+    second = make_request("b", list(range(21)))
+    hits = manager.get_computed_blocks(second)
+    assert len(hits) == 5
+    assert manager.allocate_slots(second, 1, hits) is not None
+    assert [b.ref_count for b in hits] == [0, 0, 0, 1, 1]
+    assert manager.block_ids("b")[:3] == [0, 0, 0]
+    assert manager.num_blocks_held("b") == 3  # two hits and the new block
+    manager.free(second)
+    assert_all_blocks_free(manager)

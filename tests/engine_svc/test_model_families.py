@@ -2,12 +2,15 @@
 transformers config class and saved with `save_pretrained`: greedy tokens equal transformers
 `generate` on 16 prompts, all requests at once, with chunked prefill forced, with prefix-cache
 hits (a second round of the same prompts), with preemption forced, and without the C++
-kernels; logprobs within 1e-3 of transformers' log-softmax."""
+kernels; logprobs within 1e-3 of transformers' log-softmax. A sliding-window model's prompts
+run past its window, and its KV use stops growing at the window. `make bench MODEL=DIR` runs
+on a family's model."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,9 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
+from engine_svc.core.kv_cache.sizing import blocks_per_request
 from engine_svc.distributed.layout import ParallelLayout
+from engine_svc.messages import EngineCoreRequest
 from engine_svc.models.model_spec import load_model_spec
 from engine_svc.models.sharding import check_divisible
 from shared.errors import InvalidRequestError
@@ -25,6 +30,7 @@ from tests.engine_svc.engine_helpers import assert_kv_cache_clean
 from tests.engine_svc.hf_reference import hf_greedy, hf_token_logprobs, load_hf_model
 from tests.model_fixtures import TOKENIZER_FILES
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 49152  # the default model's tokenizer, which the engine loads with the model
 NUM_PROMPTS = 16
 COMMON: dict[str, Any] = {
@@ -76,11 +82,37 @@ def _dynamic_rope() -> Any:
     return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters=rope)
 
 
+WINDOW = 32  # shorter than most prompts here
+
+
 def _mistral() -> Any:
     from transformers import MistralConfig
 
-    # A window wider than every sequence here: the engine caps max_model_len at it.
-    return MistralConfig(**COMMON, sliding_window=400)
+    return MistralConfig(**COMMON, sliding_window=WINDOW)
+
+
+def _gemma2() -> Any:
+    from transformers import Gemma2Config
+
+    # Layer 0 windowed, layer 1 global; caps low enough that tanh bends the random model's
+    # scores and logits.
+    return Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                        attn_logit_softcapping=5.0, final_logit_softcapping=20.0)  # fmt: skip
+
+
+def _gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    # Windowed, global, windowed; the global layer's rotary scaled (linear), the windowed
+    # ones on their own base; q/k norms.
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+    }
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]
+    config = {**COMMON, "num_hidden_layers": 3}
+    return Gemma3TextConfig(**config, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                            layer_types=layers, rope_parameters=rope)  # fmt: skip
 
 
 def _qwen2() -> Any:
@@ -159,6 +191,8 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "phi3": _phi3,
     "phi3_longrope": _phi3_longrope,
     "granite": _granite,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
     "olmo2": _olmo2,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
@@ -214,8 +248,12 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[l
 @pytest.mark.parametrize("regime", REGIMES)
 def test_greedy_matches_transformers(family: Any, regime: str) -> None:
     folder, prompts, max_tokens, expected, _ = family
+    options = REGIMES[regime]
+    if regime == "preemption" and load_model_spec(folder).attention_span:
+        # Its requests hold only their window's blocks: a smaller cache, in prompt chunks.
+        options = {**options, "num_kv_blocks": 12, "max_num_batched_tokens": 16}
     # transformers stops at EOS; the engine is told to ignore it, so compare up to there.
-    llm = LLM(str(folder), **REGIMES[regime])
+    llm = LLM(str(folder), **options)
     got = _greedy(llm, prompts, max_tokens)
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g[: len(e)] != e]
     assert not mismatches, f"prompts {mismatches} differ from transformers"
@@ -245,8 +283,23 @@ def test_the_spec_reads_each_familys_traits(family: Any) -> None:
     architecture = config["architectures"][0]
     assert spec.architecture == architecture
     assert spec.attention_bias == (architecture == "Qwen2ForCausalLM")
-    assert spec.qk_norm == (architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
-    assert spec.sliding_window == (400 if architecture == "MistralForCausalLM" else None)
+    assert spec.qk_norm == (
+        architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+    )
+    window_layers = {"MistralForCausalLM": (0, 1), "Gemma2ForCausalLM": (0,),
+                     "Gemma3ForCausalLM": (0, 2)}.get(architecture, ())  # fmt: skip
+    assert spec.window_layers == window_layers
+    assert spec.sliding_window == (WINDOW if window_layers else None)
+    # Only where every layer is windowed can blocks behind the window be released.
+    assert spec.attention_span == (WINDOW if architecture == "MistralForCausalLM" else None)
+    gemma = architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    assert spec.sandwich_norms == gemma and spec.norm_offset == (1.0 if gemma else 0.0)
+    assert (spec.attn_logit_softcapping, spec.final_logit_softcapping) == (
+        (5.0, 20.0) if architecture == "Gemma2ForCausalLM" else (None, None)
+    )
+    if architecture == "Gemma3ForCausalLM":
+        assert spec.local_rope_theta == 10000.0 and spec.rope_theta == 1e6
+        assert spec.rope_scaling is not None and spec.rope_scaling["factor"] == 2.0
     olmo = architecture in ("Olmo2ForCausalLM", "OlmoeForCausalLM")
     assert spec.qk_norm_whole == olmo and spec.post_norms == (architecture == "Olmo2ForCausalLM")
     expected_sparse = {"MixtralForCausalLM": (0, 1), "OlmoeForCausalLM": (0, 1),
@@ -276,11 +329,35 @@ def test_experts_give_the_same_tokens_alone_and_in_a_batch(family: Any) -> None:
     assert alone == together[:4]
 
 
-def test_a_sliding_window_caps_the_model_length(family: Any) -> None:
-    folder = family[0]
-    llm = LLM(str(folder))
-    expected = 400 if load_model_spec(folder).sliding_window else 512
-    assert llm.engine_core.max_model_len == expected
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_a_sliding_window_model_holds_only_its_windows_blocks(family: Any) -> None:
+    """A sequence of 300 tokens, ten windows long, in prompt chunks of 16: the same tokens as
+    transformers, and the request never holds more KV blocks than its window spans plus the
+    chunk it computes (6 blocks of 8), where full attention would hold all 38."""
+    folder, prompts, _, _, hf = family
+    prompt = [token for p in prompts for token in p][:100]
+    [expected] = hf_greedy(hf, [prompt], [200])
+    llm = LLM(str(folder), block_size=8, max_num_batched_tokens=16)
+    assert llm.engine_core.max_model_len == 512  # the model's positions, not the window
+    client, kv_cache = llm.client, llm.engine_core.scheduler.kv_cache
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    client.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
+                                         sampling_params=params))  # fmt: skip
+    tokens: list[int] = []
+    held: list[int] = []
+    for _ in range(1000):
+        outputs = client.get_output().outputs
+        held.append(kv_cache.num_blocks_held("r"))
+        tokens.extend(token for output in outputs for token in output.new_token_ids)
+        if any(output.finished for output in outputs):
+            break
+    assert tokens[: len(expected)] == expected and len(tokens) == 200
+    # Blocks held after each step: while the prompt's chunks run, the window behind a chunk
+    # and the chunk (31 + 16 tokens: 6 blocks), then the window behind a decode (31 + 1: at
+    # most 5). The whole sequence would need 38 blocks.
+    assert max(held) == 6 <= blocks_per_request(300, 8, WINDOW, 16)
+    assert max(held[-150:]) == 5 and -(-300 // 8) == 38
+    assert_kv_cache_clean(llm)
 
 
 def test_a_checkpoint_in_several_shards_loads_as_one(
@@ -302,3 +379,24 @@ def test_a_checkpoint_in_several_shards_loads_as_one(
     expected = hf_greedy(load_hf_model(tmp_path), prompts[:4], max_tokens[:4])
     got = _greedy(LLM(str(tmp_path)), prompts[:4], max_tokens[:4])
     assert [g[: len(e)] for g, e in zip(got, expected, strict=True)] == expected
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"], indirect=True)
+def test_make_bench_runs_on_the_familys_model(family: Any) -> None:
+    """`make bench MODEL=DIR` on a family's model: every output equal to transformers', and
+    the figures count the parameters a token runs through (a mixture's routed share)."""
+    folder, _, _, _, hf = family
+    args = ("--num-prompts 2 --output-len 4 --min-len 4 --max-len 9 --skip-structured "
+            "--rounds 1")  # fmt: skip
+    done = subprocess.run(
+        ["make", "--no-print-directory", "bench", f"MODEL={folder}", f"ARGS={args}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["outputs_equal_hf"] == 2 and summary["ours_tok_s"] > 0
+    params = dict(hf.named_parameters())  # a tied embedding once
+    experts = sum(p.numel() for name, p in params.items() if ".experts." in name)
+    share = hf.config.num_experts_per_tok / hf.config.num_local_experts if experts else 0.0
+    dense = sum(p.numel() for name, p in params.items() if ".experts." not in name)
+    assert summary["num_params"] == dense + round(experts * share)

@@ -1,6 +1,13 @@
 """Maps requests to KV blocks: prefix-cache lookup, slot allocation, freeing.
 
 The scheduler calls `can_allocate` / `allocate_slots` (check, then act) and `free`.
+
+With an attention span (a model whose every layer attends over a sliding window), the
+blocks that fall wholly before the window of the next token to compute are released as a
+sequence grows, so its KV use stops growing at the window. A released block keeps its place
+in the request's list as None (block positions are token positions / block_size); the
+model runner still names the old block there, masked out of every layer's window, never
+written. Released full blocks stay in the prefix cache until evicted, like any freed block.
 """
 
 from __future__ import annotations
@@ -17,11 +24,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        attention_span: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.attention_span = attention_span
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # None: a block released out of every layer's window (attention_span).
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         # How many leading blocks of each request were already offered to the prefix cache.
         self._num_published: dict[str, int] = {}
         # Cumulative prefix-cache counters, in tokens (vLLM's prefix_cache_queries/hits).
@@ -80,12 +95,17 @@ class KVCacheManager:
         time; the request's computed tokens then start after them. Returns the ids of the
         newly allocated blocks, or None when they do not fit (nothing changes then).
         """
+        if not computed_blocks:
+            self._release_out_of_window(request)
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if computed_blocks:
-            self.pool.touch(list(computed_blocks))
-            blocks.extend(computed_blocks)
+            # Hits before the window of the first token to compute are not needed.
+            skipped = self._num_out_of_window(len(computed_blocks) * self.block_size)
+            self.pool.touch(list(computed_blocks[skipped:]))
+            blocks.extend([None] * skipped)
+            blocks.extend(computed_blocks[skipped:])
         num_total = request.num_computed_tokens + num_new_tokens
         num_total += len(computed_blocks) * self.block_size
         new_blocks = self.pool.get_new_blocks(self.blocks_needed(num_total) - len(blocks))
@@ -100,20 +120,50 @@ class KVCacheManager:
         if blocks:
             # Tail first: the end of a sequence is the least likely to be shared, so it
             # should be evicted before the prefix.
-            self.pool.free_blocks(blocks[::-1])
+            self.pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
     def discard_uncomputed(self, request: Request, num_computed_tokens: int) -> None:
         """Unpublish the request's blocks past `num_computed_tokens`: scheduled, never run."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         for block in blocks[num_computed_tokens // self.block_size :]:
-            self.pool.uncache_block(block)
+            if block is not None:
+                self.pool.uncache_block(block)
         num_published = self._num_published.get(request.request_id, 0)
         self._num_published[request.request_id] = min(
             num_published, num_computed_tokens // self.block_size
         )
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's blocks by position; a released one reads as block 0, which the
+        window masks out."""
+        return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b is not None)
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Free the blocks before the window of the request's next token: that token, at
+        position p = num_computed_tokens, and every later one attend only to positions
+        after p - attention_span."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_out = min(self._num_out_of_window(request.num_computed_tokens), len(blocks))
+        released = []
+        for index in range(num_out):
+            block = blocks[index]
+            if block is not None:
+                released.append(block)
+                blocks[index] = None
+        if released:
+            self.pool.free_blocks(released[::-1])
+
+    def _num_out_of_window(self, position: int) -> int:
+        """How many leading blocks lie wholly before the window of the token at `position`
+        (positions after position - attention_span)."""
+        if self.attention_span is None:
+            return 0
+        return max(0, (position - self.attention_span + 1) // self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -126,11 +176,14 @@ class KVCacheManager:
             request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         )
         num_needed = self.blocks_needed(num_total) - num_owned
-        # Hits that sit in the free list leave it when touched.
-        num_revived = sum(1 for b in computed_blocks if b.ref_count == 0)
+        # Hits that sit in the free list leave it when touched (those in the window).
+        skipped = self._num_out_of_window(len(computed_blocks) * self.block_size)
+        num_revived = sum(1 for b in computed_blocks[skipped:] if b.ref_count == 0)
         return max(num_needed, 0) + num_revived
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVBlock | None], num_tokens: int
+    ) -> None:
         # The tokens being computed this step are already known (prompt, or outputs that
         # were sampled before), so their blocks can be published as soon as scheduled.
         num_full = min(num_tokens, request.num_tokens) // self.block_size
@@ -139,5 +192,7 @@ class KVCacheManager:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         for index in range(start, num_full):
-            self.pool.cache_block(blocks[index], request.block_hashes[index])
+            block = blocks[index]
+            if block is not None:
+                self.pool.cache_block(block, request.block_hashes[index])
         self._num_published[request.request_id] = num_full

@@ -46,8 +46,10 @@ def plan_kv_cache(
     max_model_len: int,
     max_num_seqs: int,
     num_blocks_override: int | None = None,
+    attention_span: int | None = None,
+    max_step_tokens: int | None = None,
 ) -> KVCachePlan:
-    needed = -(-max_model_len // block_size)
+    needed = blocks_per_request(max_model_len, block_size, attention_span, max_step_tokens)
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     else:
@@ -72,3 +74,20 @@ def plan_kv_cache(
             "max_model_len."
         )
     return plan
+
+
+def blocks_per_request(
+    max_model_len: int,
+    block_size: int,
+    attention_span: int | None = None,
+    max_step_tokens: int | None = None,
+) -> int:
+    """The most KV blocks one request holds at once: its whole length; or, when every layer
+    attends over a window (attention_span), the window behind its longest step and that
+    step, plus one block where they straddle a boundary (engine_svc/core/kv_cache/manager.py
+    releases the blocks before the window)."""
+    if attention_span is not None and max_step_tokens is not None:
+        bounded = attention_span - 1 + max_step_tokens
+        if bounded < max_model_len:
+            return -(-bounded // block_size) + 1
+    return -(-max_model_len // block_size)

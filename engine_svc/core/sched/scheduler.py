@@ -26,7 +26,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            attention_span=config.attention_span,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)

@@ -2,7 +2,8 @@
 //
 // One query token per sequence attends to its first context_lens[s] cached tokens, read
 // block by block through its block table: no gather into a padded copy, no mask over
-// padding. Work is split over (sequence, KV head) pairs on torch's intra-op thread pool;
+// padding. With a sliding window (window > 0), to the last `window` of them only: the
+// blocks before are not read (they may have been released and handed to another request). Work is split over (sequence, KV head) pairs on torch's intra-op thread pool;
 // the query heads that share a KV head read each K/V row once, together.
 //
 // Math is in float32 whatever the cache dtype: scores = q.k * scale, a max-subtracted
@@ -36,7 +37,7 @@ struct Shape {
 };
 
 // A sequence's cached rows for one task: the part [offset, offset + span) of each token's
-// row, found block by block through the block table.
+// row, for tokens [first, context_len), found block by block through the block table.
 struct CachedRows {
   const int32_t* table;
   int64_t context_len;
@@ -44,24 +45,31 @@ struct CachedRows {
   int64_t row;     // elements in one token's row of the cache (all KV heads)
   int64_t offset;  // first element this task reads in each row
   int64_t span;    // elements it reads there
+  int64_t first;   // the first token read: 0, or where a sliding window starts
 
-  // Calls visit(token, pointer to the task's part of that token's row) for every context
-  // token in order. The next block's rows are prefetched while this one is read: a block is a
-  // few KiB on its own in the cache, and the hardware prefetchers do not follow the table.
+  int64_t count() const { return context_len - first; }
+
+  // Calls visit(i, pointer to the task's part of that token's row) for the tokens read, i
+  // counting from 0 at `first`, in order. The next block's rows are prefetched while this
+  // one is read: a block is a few KiB on its own in the cache, and the hardware prefetchers
+  // do not follow the table.
   template <typename scalar_t, typename Visit>
   void for_each(const scalar_t* cache, Visit&& visit) const {
-    prefetch(cache, 0);
-    for (int64_t start = 0; start < context_len; start += block_size) {
-      if (start + block_size < context_len) prefetch(cache, start / block_size + 1);
-      const scalar_t* rows = cache + (table[start / block_size] * block_size) * row + offset;
-      const int64_t count = std::min(block_size, context_len - start);
-      for (int64_t t = 0; t < count; ++t) visit(start + t, rows + t * row);
+    prefetch(cache, first / block_size);
+    for (int64_t token = first; token < context_len;) {
+      const int64_t block = token / block_size;
+      const int64_t end = std::min((block + 1) * block_size, context_len);
+      if (end < context_len) prefetch(cache, block + 1);
+      const scalar_t* rows = cache + (table[block] * block_size) * row + offset;
+      for (int64_t t = token; t < end; ++t) visit(t - first, rows + (t - block * block_size) * row);
+      token = end;
     }
   }
 
-  // The task's part of `token`'s row.
+  // The task's part of the row of the index-th token read.
   template <typename scalar_t>
-  const scalar_t* at(const scalar_t* cache, int64_t token) const {
+  const scalar_t* at(const scalar_t* cache, int64_t index) const {
+    const int64_t token = first + index;
     return cache + (table[token / block_size] * block_size + token % block_size) * row + offset;
   }
 
@@ -78,7 +86,8 @@ struct CachedRows {
 template <typename scalar_t>
 void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                 const scalar_t* __restrict v_cache, const int32_t* __restrict table,
-                int64_t context_len, int64_t kv_begin, int64_t kv_end, const Shape& shape,
+                int64_t context_len, int64_t first, int64_t kv_begin, int64_t kv_end,
+                const Shape& shape,
                 float scale, scalar_t* __restrict out, std::vector<float>& query,
                 std::vector<float>& scores, std::vector<float>& acc) {
   // The query heads of KV heads [kv_begin, kv_end): `per_kv` per KV head, consecutive.
@@ -87,7 +96,8 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
   const int64_t dim = shape.head_dim;
   const int64_t first_head = kv_begin * per_kv;
   const CachedRows rows{table, context_len, shape.block_size, shape.num_kv_heads * dim,
-                        kv_begin * dim, (kv_end - kv_begin) * dim};
+                        kv_begin * dim, (kv_end - kv_begin) * dim, first};
+  const int64_t len = rows.count();
 
   for (int64_t g = 0; g < group; ++g) {
     const scalar_t* src = q + (first_head + g) * shape.q_head_stride;
@@ -104,7 +114,7 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-        scores[g * context_len + t] = dot * scale;
+        scores[g * len + t] = dot * scale;
       }
     }
   });
@@ -112,11 +122,11 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
   // Softmax per query head; keep 1 / sum for the end.
   std::vector<float> inv_sum(group);
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * context_len;
+    float* s = scores.data() + g * len;
     float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
     float sum = 0.0f;
-    for (int64_t t = 0; t < context_len; ++t) {
+    for (int64_t t = 0; t < len; ++t) {
       s[t] = std::exp(s[t] - max_score);
       sum += s[t];
     }
@@ -129,7 +139,7 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
     for (int64_t h = 0; h < num_kv; ++h) {
       const scalar_t* value = value_row + h * dim;
       for (int64_t g = h * per_kv; g < (h + 1) * per_kv; ++g) {
-        const float p = scores[g * context_len + t];
+        const float p = scores[g * len + t];
         float* a = acc.data() + g * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
@@ -158,7 +168,7 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
                     const float* __restrict v_cache, const CachedRows& rows, float scale,
                     float* __restrict out, float* __restrict scores) {
   constexpr int kVecs = kDim / kLanes;
-  const int64_t len = rows.context_len;
+  const int64_t len = rows.count();
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
 
   vreg query[kGroup][kVecs];  // scaled, so the dot products are the scores
@@ -171,12 +181,15 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
   // Scores, kLanes tokens at a time. Blocks are prefetched one block (or chunk) ahead.
   const int64_t block_size = rows.block_size;
   const int64_t lead = std::max<int64_t>(block_size, kLanes);
+  // The blocks that start among the tokens read [from, to) (counted from rows.first).
   auto prefetch_blocks_in = [&](int64_t from, int64_t to) {
-    for (int64_t b = (from + block_size - 1) / block_size * block_size; b < std::min(to, len);
+    const int64_t end = rows.first + std::min(to, len);
+    for (int64_t b = (rows.first + from + block_size - 1) / block_size * block_size; b < end;
          b += block_size) {
       rows.prefetch(k_cache, b / block_size);
     }
   };
+  rows.prefetch(k_cache, rows.first / block_size);  // a window may start inside a block
   prefetch_blocks_in(0, lead);
   const float* chunk_rows[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
@@ -287,7 +300,7 @@ AttendFn attend_fn(int64_t head_dim) {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, int64_t max_context_len,
-                                  double scale) {
+                                  double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "q must be [seqs, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
@@ -305,11 +318,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                     block_tables.size(1), q.stride(0),    q.stride(1),     q.size(1) * q.size(2)};
   TORCH_CHECK(q.size(2) == shape.head_dim, "q and the caches differ in head_dim");
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
 
   const int64_t num_seqs = q.size(0);
   auto out = at::empty({num_seqs, shape.num_heads, shape.head_dim}, q.options());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
+  auto first_token = [&](int64_t s) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+  };
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context_len &&
                     lens[s] <= shape.max_blocks * shape.block_size,
@@ -341,9 +358,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t s = task / tasks_per_seq;
         const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
         for (int64_t h = kv_begin; h < kv_begin + kv_per_task; ++h) {
-          const CachedRows rows{tables + s * shape.max_blocks, lens[s], shape.block_size,
-                                shape.num_kv_heads * shape.head_dim, h * shape.head_dim,
-                                shape.head_dim};
+          const CachedRows rows{tables + s * shape.max_blocks,
+                                lens[s],
+                                shape.block_size,
+                                shape.num_kv_heads * shape.head_dim,
+                                h * shape.head_dim,
+                                shape.head_dim,
+                                first_token(s)};
           const float* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
           float* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
           attend(q_head, shape.q_head_stride, k_ptr, v_ptr, rows, static_cast<float>(scale),
@@ -367,7 +388,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             const int64_t s = task / tasks_per_seq;
             const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
             attend_one<scalar_t>(q_ptr + s * shape.q_row_stride, k_ptr, v_ptr,
-                                 tables + s * shape.max_blocks, lens[s], kv_begin,
+                                 tables + s * shape.max_blocks, lens[s], first_token(s), kv_begin,
                                  kv_begin + kv_per_task, shape, static_cast<float>(scale),
                                  out_ptr + s * shape.out_row_stride, query, scores, acc);
           }
@@ -381,7 +402,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(duoserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, int max_context_len, float scale) -> Tensor");
+      "Tensor context_lens, int max_context_len, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -8,6 +8,8 @@
 // transposed keys and its values as contiguous [keys x panel] panels, then for each query
 // head of the KV head runs two small GEMMs through the register-tile kernel (gemm_tile.h):
 // S = Q K^T, a causal softmax per row (scaled, max-subtracted, normalized), and O = P V.
+// With a sliding window (window > 0), query i attends to keys (i - window, i] only: a task
+// lays out the keys from its first row's window on, and masks the rest row by row.
 
 #include "vec.h"
 
@@ -37,14 +39,20 @@ struct Task {
   int64_t first_row;
 };
 
-// Row i of `scores` (query first_row + i) becomes its causal softmax over keys 0..row:
-// exp(scale (s - max)) / sum, and 0 for the keys after it, up to `width`.
-void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t width,
-                    float scale) {
+// Row i of `scores` (query first_row + i; column j is key first_key + j) becomes its
+// causal softmax over the keys up to the query, from its window's first key on:
+// exp(scale (s - max)) / sum, and 0 for the others, up to `width`.
+void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t first_key,
+                    int64_t width, int64_t window, float scale) {
   const fvec lowest(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < rows; ++i) {
     float* s = scores + i * width;
-    const int64_t keys = first_row + i + 1;
+    const int64_t query = first_row + i;
+    const int64_t keys = query - first_key + 1;
+    if (window > 0) {  // keys before the window: -inf, so exp makes them 0
+      const int64_t before = std::max<int64_t>(0, query - window + 1 - first_key);
+      std::fill(s, s + before, -std::numeric_limits<float>::infinity());
+    }
     fvec max_v = lowest;
     for (int64_t j = 0; j < keys; j += kLanes) {
       const int64_t count = std::min<int64_t>(kLanes, keys - j);
@@ -68,7 +76,7 @@ void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t widt
 // as the fused qkv projection's); chunk i is tokens [starts[i], starts[i] + lens[i]).
 void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
-                        double scale) {
+                        double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "prefill_attention: q and out must be [tokens, heads, head_dim], k and v "
               "[tokens, kv_heads, head_dim]");
@@ -87,6 +95,7 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                   starts.is_contiguous() && lens.is_contiguous() &&
                   starts.numel() == lens.numel(),
               "prefill_attention: starts and lens must be contiguous int32 of one length");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be 0 (none) or positive");
   const int32_t* start_ptr = starts.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   int64_t max_len = 0;
@@ -123,12 +132,17 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       const Task& task = tasks[index];
       const int64_t start = start_ptr[task.chunk];
       const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
-      const int64_t keys = task.first_row + rows;  // causal: no query here sees further
+      // Keys [first_key, first_row + rows): causal, no query here sees further; windowed,
+      // none sees further back than the first row's window.
+      const int64_t first_key =
+          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) : 0;
+      const int64_t keys = task.first_row + rows - first_key;
       const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
       for (int64_t key = 0; key < width; ++key) {
         const int64_t panel = key / kPanel, lane = key % kPanel;
-        const float* k_row = k_ptr + (start + key) * k.stride(0) + task.kv_head * k.stride(1);
-        const float* v_row = v_ptr + (start + key) * v.stride(0) + task.kv_head * v.stride(1);
+        const int64_t token = start + first_key + std::min(key, keys - 1);  // padding: any row
+        const float* k_row = k_ptr + token * k.stride(0) + task.kv_head * k.stride(1);
+        const float* v_row = v_ptr + token * v.stride(0) + task.kv_head * v.stride(1);
         for (int64_t d = 0; d < dim; ++d) {
           keys_t[(panel * dim + d) * kPanel + lane] = key < keys ? k_row[d] : 0.0f;
           values[((d / kPanel) * width + key) * kPanel + d % kPanel] = key < keys ? v_row[d] : 0.0f;
@@ -142,7 +156,8 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                                         keys_t.data() + panel * dim * kPanel, dim, nullptr,
                                         scores.data() + panel * kPanel, width, kPanel, nullptr);
         }
-        causal_softmax(scores.data(), rows, task.first_row, width, static_cast<float>(scale));
+        causal_softmax(scores.data(), rows, task.first_row, first_key, width, window,
+                       static_cast<float>(scale));
         float* out_rows = out_ptr + (start + task.first_row) * out.stride(0) + head * out.stride(1);
         for (int64_t panel = 0; panel < dim_panels; ++panel) {
           panel_rows<kAttentionVectors>(scores.data(), width, rows,
@@ -162,7 +177,7 @@ TORCH_LIBRARY_FRAGMENT(duoserve, m) {
   m.def("prefill_attention_panel() -> int", &prefill_attention_panel);
   m.def(
       "prefill_attention_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor starts, "
-      "Tensor lens, float scale) -> ()");
+      "Tensor lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) { m.impl("prefill_attention_", &prefill_attention_); }
