@@ -17,6 +17,7 @@ class KVCachePlan:
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    blocks_per_request: int  # the most one request of max_model_len holds at once
 
     @property
     def num_tokens(self) -> int:
@@ -25,7 +26,7 @@ class KVCachePlan:
     @property
     def max_concurrency(self) -> float:
         """How many requests of the maximum length fit at once."""
-        return self.num_tokens / self.max_model_len
+        return self.num_blocks / self.blocks_per_request
 
     def describe(self) -> str:
         return (
@@ -57,7 +58,7 @@ def plan_kv_cache(
         # More than max_num_seqs requests of the maximum length can ever hold is dead
         # memory (for small models it would be most of the budget).
         num_blocks = min(max(available, 0) // bytes_per_block, max_num_seqs * needed)
-    plan = KVCachePlan(num_blocks, block_size, bytes_per_block, max_model_len)
+    plan = KVCachePlan(num_blocks, block_size, bytes_per_block, max_model_len, needed)
     if num_blocks < needed:
         source = (
             "num_kv_blocks"
