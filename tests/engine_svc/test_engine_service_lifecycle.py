@@ -55,11 +55,16 @@ def _long_requests(count: int, max_tokens: int, prefix: str) -> list[pb.Generate
 
 
 async def _start_streams(
-    stub: engine_pb2_grpc.EngineCoreServiceStub, requests: list[pb.GenerateRequest]
+    stub: engine_pb2_grpc.EngineCoreServiceStub,
+    requests: list[pb.GenerateRequest],
+    stay_paused: bool = False,
 ) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
     """Start the streams and wait until each has its first tokens. The engine is paused while
     they arrive, so one step schedules them all and they advance together: none can finish
-    while another still waits for its first token, however slowly they were admitted."""
+    while another still waits for its first token, however slowly they were admitted.
+    `stay_paused`: the engine is paused again as soon as the first of them has its first
+    tokens (the same step gave every stream its own), so however slowly this client reads
+    on, every stream is still mid-flight afterwards."""
     await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
     results = [StreamResult() for _ in requests]
     tasks = [
@@ -72,6 +77,10 @@ async def _start_streams(
             break
         await asyncio.sleep(0.05)
     await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+    if stay_paused:
+        firsts = [asyncio.create_task(r.first_message.wait()) for r in results]
+        await asyncio.wait(firsts, return_when=asyncio.FIRST_COMPLETED)
+        await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
     await asyncio.gather(*(r.first_message.wait() for r in results))
     return results, tasks
 
@@ -84,7 +93,9 @@ def _assert_fails_fast_and_exits_nonzero(
     async def body() -> tuple[list[StreamResult], float]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = engine_stub(channel)
-            results, tasks = await _start_streams(stub, _long_requests(num_streams, 900, "doomed"))
+            doomed = _long_requests(num_streams, 900, "doomed")
+            # Paused mid-stream where a trigger follows: none can finish before it.
+            results, tasks = await _start_streams(stub, doomed, stay_paused=trigger is not None)
             triggered_at = time.monotonic()
             if trigger is not None:
                 trigger()
@@ -144,7 +155,7 @@ def test_sigterm_with_timeout_0_aborts_in_flight_requests_and_exits_0(
     async def body() -> list[StreamResult]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             results, tasks = await _start_streams(
-                engine_stub(channel), _long_requests(4, 900, "abort")
+                engine_stub(channel), _long_requests(4, 900, "abort"), stay_paused=True
             )
             service.process.send_signal(signal.SIGTERM)
             await asyncio.gather(*tasks)
