@@ -114,10 +114,11 @@ run-frontend: $(GEN_STAMP)
 # The default model, or MODEL=DIR (a Hugging Face directory of a supported family);
 # BENCH_MODE=serve goes through the frontend's API (engine_svc/bench/).
 BENCH_MODE ?= offline
-MODEL ?=
+# MODEL counts only from the command line: an unrelated MODEL in the environment is ignored.
+BENCH_MODEL = $(if $(filter command line,$(origin MODEL)),$(MODEL))
 bench: $(GEN_STAMP) $(KERNEL_STAMP)
 	$(PY) -m engine_svc.bench $(BENCH_MODE) \
-		--model "$(if $(MODEL),$(MODEL),$$($(PY) -m shared.model_store | tail -n 1))" $(ARGS)
+		--model "$(or $(BENCH_MODEL),$$($(PY) -m shared.model_store | tail -n 1))" $(ARGS)
 
 # Both services under steady mixed load for SOAK_MINUTES (10) with SOAK_CONCURRENCY (16)
 # clients: fails on any unexpected error, a leaked KV block, or memory growth over 5%.

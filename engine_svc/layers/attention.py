@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from engine_svc.kernels import paged_decode_attention
 
+SOFTCAP_QUERY_BLOCK = 256  # queries per block of soft-capped attention
+
 
 @dataclasses.dataclass(slots=True)
 class PrefillChunk:
@@ -237,13 +239,22 @@ def _softcapped_attention(
     scale: float,
     softcap: float,
 ) -> torch.Tensor:
-    """Attention with the scores squashed to (-softcap, softcap), as Gemma 2 computes it."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    """Attention with the scores squashed to (-softcap, softcap), as Gemma 2 computes it,
+    SOFTCAP_QUERY_BLOCK queries at a time: the scores of a long chunk would otherwise be
+    [heads, queries, keys] at once, far above the activation peak the KV cache was sized
+    around."""
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    keys_t = k.transpose(-1, -2)
+    for start in range(0, q.shape[-2], SOFTCAP_QUERY_BLOCK):
+        rows = slice(start, start + SOFTCAP_QUERY_BLOCK)
+        scores = torch.matmul(q[..., rows, :], keys_t) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            block_mask = mask[..., rows, :] if mask.shape[-2] > 1 else mask
+            if block_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~block_mask, float("-inf"))
+            else:
+                scores = scores + block_mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[..., rows, :] = torch.matmul(weights, v)
+    return out

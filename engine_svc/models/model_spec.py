@@ -35,6 +35,23 @@ _QK_NORM_WHOLE = ("Olmo2ForCausalLM", "OlmoeForCausalLM")
 _POST_NORMS = ("Olmo2ForCausalLM",)
 # Families whose checkpoints hold q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 _FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "rope_theta": 10000.0,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0,
+                          "rope_local_base_freq": 10000.0},
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "Qwen2ForCausalLM": {"use_sliding_window": False},
+    "Qwen3ForCausalLM": {"use_sliding_window": False},
+    "Qwen3MoeForCausalLM": {"use_sliding_window": False},
+}  # fmt: skip
 # Families whose every layer attends over the config's sliding_window, when it names one.
 _WINDOW_IN_EVERY_LAYER = (
     "MistralForCausalLM",
@@ -141,6 +158,9 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
             f"architecture {architecture} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    # What the family's transformers config class assumes where config.json is silent
+    # (Hub configs written by older transformers leave defaults out).
+    config = {**_CONFIG_DEFAULTS.get(architecture, {}), **config}
     num_heads = config["num_attention_heads"]
     hidden_size = config["hidden_size"]
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -197,7 +217,7 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
         clip_qkv=config.get("clip_qkv"),
         **_experts(architecture, config),
         **(_granite(config) if granite else {}),
-        **(_gemma(architecture, config, hidden_size, local_rope) if gemma else {}),
+        **(_gemma(config, hidden_size, local_rope) if gemma else {}),
     )
 
 
@@ -210,12 +230,9 @@ def _granite(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gemma(
-    architecture: str, config: dict[str, Any], hidden_size: int, local_rope: dict[str, Any]
-) -> dict[str, Any]:
-    """Gemma 2 and 3's traits (their config.json defaults where a key is absent)."""
+def _gemma(config: dict[str, Any], hidden_size: int, local_rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and 3's traits (the family defaults filled in, _CONFIG_DEFAULTS)."""
     local_type = local_rope.get("rope_type", local_rope.get("type", "default"))
-    gemma2 = architecture == "Gemma2ForCausalLM"
     return {
         "hidden_act": config.get("hidden_activation")
         or config.get("hidden_act")
@@ -224,10 +241,10 @@ def _gemma(
         "sandwich_norms": True,
         "embedding_multiplier": hidden_size**0.5,
         "embedding_multiplier_in_dtype": True,
-        "attention_multiplier": config.get("query_pre_attn_scalar", 256) ** -0.5,
+        "attention_multiplier": config["query_pre_attn_scalar"] ** -0.5,
         # Gemma 2 caps both unless its config says otherwise; Gemma 3 neither.
-        "attn_logit_softcapping": config.get("attn_logit_softcapping", 50.0 if gemma2 else None),
-        "final_logit_softcapping": config.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+        "final_logit_softcapping": config.get("final_logit_softcapping"),
         "local_rope_theta": local_rope.get("rope_theta", config.get("rope_local_base_freq")),
         "local_rope_scaling": None if local_type == "default" else local_rope,
     }

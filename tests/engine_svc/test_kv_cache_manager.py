@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_svc.core.kv_cache.manager import KVCacheManager
+from engine_svc.core.kv_cache.sizing import blocks_per_request
 from engine_svc.core.request import Request
 from engine_svc.sampling_params import SamplingParams
 
@@ -282,3 +283,11 @@ def test_prefix_hits_before_the_window_are_not_taken() -> None:
     assert manager.num_blocks_held("b") == 3  # two hits and the new block
     manager.free(second)
     assert_all_blocks_free(manager)
+
+
+def test_a_request_needs_its_window_and_step_at_most_and_never_more_than_its_length() -> None:
+    # Window 32 behind a 16-token step: 47 tokens, 6 blocks of 8, one more where they
+    # straddle a boundary; never more than the whole request's 8 blocks of 64 tokens.
+    assert blocks_per_request(1000, 8, attention_span=32, max_step_tokens=16) == 7
+    assert blocks_per_request(64, 16, attention_span=48, max_step_tokens=16) == 4
+    assert blocks_per_request(1000, 8) == 125

@@ -27,6 +27,7 @@ def _spec(tmp_path: Path, architecture: str, **config: Any) -> ModelSpec:
     ("architecture", "config", "window_layers"),
     [
         ("MistralForCausalLM", {"sliding_window": 4096}, (0, 1, 2, 3)),
+        ("MistralForCausalLM", {}, (0, 1, 2, 3)),  # MistralConfig's default window, 4096
         ("MistralForCausalLM", {"sliding_window": None}, ()),
         ("Phi3ForCausalLM", {"sliding_window": 2047}, (0, 1, 2, 3)),
         # Qwen2/Qwen3 name a window but use it only with use_sliding_window, from
@@ -38,6 +39,12 @@ def _spec(tmp_path: Path, architecture: str, **config: Any) -> ModelSpec:
             (2, 3),
         ),
         ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, ()),
+        ("Qwen2ForCausalLM", {"sliding_window": 64, "max_window_layers": 0}, ()),  # off
+        (
+            "Qwen3MoeForCausalLM",
+            {"sliding_window": 64, "num_experts": 4, "num_experts_per_tok": 2},
+            (),
+        ),
         (
             "Qwen3ForCausalLM",
             {
@@ -69,7 +76,8 @@ def test_the_windowed_layers_are_those_transformers_windows(
 ) -> None:
     spec = _spec(tmp_path, architecture, **config)
     assert spec.window_layers == window_layers
-    assert spec.sliding_window == (config["sliding_window"] if window_layers else None)
+    window = config.get("sliding_window", 4096)
+    assert spec.sliding_window == (window if window_layers else None)
     every_layer = len(window_layers) == spec.num_layers
     assert spec.attention_span == (spec.sliding_window if every_layer else None)
 
@@ -99,3 +107,19 @@ def test_gemma3_reads_its_local_rotary_as_hub_configs_write_it(tmp_path: Path) -
 def test_a_window_over_bidirectional_attention_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="bidirectional"):
         _spec(tmp_path, "Gemma3ForCausalLM", sliding_window=512, use_bidirectional_attention=True)
+
+
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_a_gemma_config_that_leaves_the_defaults_out_gets_transformers_defaults(
+    tmp_path: Path, architecture: str
+) -> None:
+    """Hub configs written by older transformers omit what the config class defaults:
+    tied embeddings (else the missing lm_head.weight would stop the load), head_dim 256,
+    a window of 4096, query_pre_attn_scalar 256, the rotary bases."""
+    spec = _spec(tmp_path, architecture)
+    assert spec.tie_word_embeddings and spec.head_dim == 256 and spec.sliding_window == 4096
+    assert spec.attention_multiplier == pytest.approx(256**-0.5)
+    if architecture == "Gemma3ForCausalLM":
+        assert (spec.rope_theta, spec.local_rope_theta) == (1e6, 10000.0)
+    else:
+        assert spec.rope_theta == 10000.0 and spec.local_rope_theta is None

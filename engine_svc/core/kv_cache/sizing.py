@@ -87,8 +87,7 @@ def blocks_per_request(
     attends over a window (attention_span), the window behind its longest step and that
     step, plus one block where they straddle a boundary (engine_svc/core/kv_cache/manager.py
     releases the blocks before the window)."""
-    if attention_span is not None and max_step_tokens is not None:
-        bounded = attention_span - 1 + max_step_tokens
-        if bounded < max_model_len:
-            return -(-bounded // block_size) + 1
-    return -(-max_model_len // block_size)
+    whole = -(-max_model_len // block_size)
+    if attention_span is None or max_step_tokens is None:
+        return whole
+    return min(whole, -(-(attention_span - 1 + max_step_tokens) // block_size) + 1)
