@@ -5,7 +5,8 @@ of every expert over every token.
 
 The checkpoint holds one gate/up/down trio per expert (Mixtral names them w1/w3/w2); after
 loading they are stacked into two [experts, in, out] tensors, so an expert's step is two
-matmuls on a contiguous weight.
+matmuls on a contiguous weight. Under tensor parallelism each rank holds its columns of every
+expert (as of the dense MLP) and the whole router; one all-reduce adds the ranks' parts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.models.model_spec import ModelSpec
+from engine_svc.models.sharding import RankShards
 
 # The checkpoint's names of each expert's gate, up and down projections.
 _MIXTRAL_NAMES = ("w1", "w3", "w2")
@@ -59,8 +62,11 @@ class SparseMoE(nn.Module):
     gate_up: torch.Tensor  # [experts, hidden, 2 * intermediate], set by fuse()
     down: torch.Tensor  # [experts, intermediate, hidden]
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(
+        self, spec: ModelSpec, shards: RankShards, collectives: Collectives = SINGLE
+    ) -> None:
         super().__init__()
+        self.collectives = collectives
         mixtral = spec.architecture == "MixtralForCausalLM"
         self.names = _MIXTRAL_NAMES if mixtral else _NAMES
         self.top_k = spec.num_experts_per_tok
@@ -68,11 +74,11 @@ class SparseMoE(nn.Module):
         # Mixtral weighs the experts' outputs with the float32 router scores; the others
         # cast the scores to the model's dtype first (transformers does each).
         self.float32_scores = mixtral
-        self.intermediate = spec.moe_intermediate_size
+        # Under tensor parallelism, this rank's columns of every expert (the router whole).
+        self.intermediate = shards.moe_rows[1] - shards.moe_rows[0]
         self.gate = Router(spec.hidden_size, spec.num_experts)
         self.experts = nn.ModuleList(
-            Expert(spec.hidden_size, spec.moe_intermediate_size, self.names)
-            for _ in range(spec.num_experts)
+            Expert(spec.hidden_size, self.intermediate, self.names) for _ in range(spec.num_experts)
         )
 
     def fuse(self) -> None:
@@ -100,4 +106,4 @@ class SparseMoE(nn.Module):
             hidden = (F.silu(gate) * up) @ self.down[expert]
             weighted = hidden * scores[tokens, rank].unsqueeze(-1)
             out.index_add_(0, tokens, weighted.to(out.dtype))
-        return out
+        return self.collectives.all_reduce(out)  # the ranks' partial sums

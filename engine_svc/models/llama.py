@@ -99,10 +99,12 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
-                -1, self.num_kv_heads, self.head_dim
-            )
+            # One row per head. With a single K/V head (multi-query, or a tensor-parallel
+            # rank's share) reshape keeps a strided view of qkv: the fused norm needs rows.
+            q_rows = q.reshape(-1, self.head_dim).contiguous()
+            k_rows = k.reshape(-1, self.head_dim).contiguous()
+            q = self.q_norm(q_rows)[0].view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k_rows)[0].view(-1, self.num_kv_heads, self.head_dim)
         if self.fused_rotary:  # in place on qkv; cos and sin are float32 [tokens, head_dim]
             torch.ops.duoserve.rotary_inplace(q, cos, sin)
             torch.ops.duoserve.rotary_inplace(k, cos, sin)
@@ -164,7 +166,7 @@ class DecoderLayer(nn.Module):
         if spec.is_sparse(index):
             if spec.architecture == "MixtralForCausalLM":
                 self.ffn_name = "block_sparse_moe"
-            self.add_module(self.ffn_name, SparseMoE(spec))
+            self.add_module(self.ffn_name, SparseMoE(spec, shards, collectives))
         else:
             self.mlp = MLP(spec, shards, collectives)
         # Llama: each block's input normalised (the "post-attention" norm is the MLP's

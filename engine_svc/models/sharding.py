@@ -1,6 +1,7 @@
 """Which share of each weight a rank holds, for tensor and pipeline parallelism.
 
-Tensor parallelism splits attention by heads and the MLP by its intermediate columns:
+Tensor parallelism splits attention by heads and the MLP by its intermediate columns (each
+expert of a mixture likewise, the router whole on every rank):
 q/k/v and gate/up are column-parallel (each rank computes its heads or columns), o and down
 are row-parallel (each rank's partial sums, added by one all-reduce per block). K/V heads
 are split too, or replicated when there are fewer of them than ranks (each rank then keeps
@@ -25,6 +26,8 @@ from shared.errors import InvalidRequestError
 # (start, end) rows of dimension `dim` of a checkpoint tensor; several pieces are concatenated.
 Piece = tuple[int, int]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.\d+\.(\w+)\.weight$")
+_EXPERT_ROW_PARALLEL = ("w2", "down_proj")  # Mixtral's and the others' down projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RankShards:
     q_rows: Piece  # of the [num_heads * head_dim] query rows
     kv_rows: Piece
     mlp_rows: Piece  # of the intermediate columns
+    moe_rows: Piece  # of each expert's intermediate columns
     vocab_rows: Piece  # this rank's real vocabulary rows
     vocab_per_rank: int  # its padded share: every rank's logits have this width
     layers: Piece  # this stage's layers
@@ -52,6 +56,7 @@ class RankShards:
             num_kv = 1
             kv_head = rank * spec.num_kv_heads // tp
         mlp = spec.intermediate_size // tp
+        moe = spec.moe_intermediate_size // tp
         per_rank = -(-spec.vocab_size // tp)
         vocab_start = min(rank * per_rank, spec.vocab_size)
         return cls(
@@ -61,6 +66,7 @@ class RankShards:
             q_rows=(rank * num_heads * head_dim, (rank + 1) * num_heads * head_dim),
             kv_rows=(kv_head * head_dim, (kv_head + num_kv) * head_dim),
             mlp_rows=(rank * mlp, (rank + 1) * mlp),
+            moe_rows=(rank * moe, (rank + 1) * moe),
             vocab_rows=(vocab_start, min(vocab_start + per_rank, spec.vocab_size)),
             vocab_per_rank=per_rank,
             layers=split(spec.num_layers, layout.pp_size, layout.pp_rank),
@@ -81,6 +87,9 @@ class RankShards:
         None for the whole tensor."""
         if self.layout.tp_size == 1:
             return None
+        expert = _EXPERT.search(name)
+        if expert is not None:
+            return (1 if expert.group(1) in _EXPERT_ROW_PARALLEL else 0), [self.moe_rows]
         q, kv, mlp = self.q_rows, self.kv_rows, self.mlp_rows
         q_size = spec.num_heads * spec.head_dim
         kv_size = spec.num_kv_heads * spec.head_dim
@@ -115,15 +124,11 @@ def check_divisible(spec: ModelSpec, layout: ParallelLayout) -> None:
         problems.append(f"{spec.num_kv_heads} key/value heads")
     if spec.intermediate_size % tp:
         problems.append(f"an MLP of {spec.intermediate_size}")
+    if spec.num_experts and spec.moe_intermediate_size % tp:
+        problems.append(f"experts of {spec.moe_intermediate_size}")
     if problems:
         raise InvalidRequestError(
             "tensor_parallel_size", f"{tp} does not divide the model's {' and '.join(problems)}"
-        )
-    if tp > 1 and spec.num_experts:
-        raise InvalidRequestError(
-            "tensor_parallel_size",
-            f"{spec.architecture}'s experts are not split over ranks yet: run it with "
-            "tensor_parallel_size 1 (pipeline parallelism splits its layers)",
         )
     if tp > 1 and spec.qk_norm_whole:
         raise InvalidRequestError(

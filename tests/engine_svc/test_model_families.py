@@ -305,8 +305,8 @@ def test_the_spec_reads_each_familys_traits(family: Any) -> None:
     expected_sparse = {"MixtralForCausalLM": (0, 1), "OlmoeForCausalLM": (0, 1),
                        "Qwen3MoeForCausalLM": (0,)}.get(architecture, ())  # fmt: skip
     assert spec.sparse_layers == expected_sparse
-    # A whole-q/k norm spans every head, and experts are whole: not split over ranks yet.
-    if olmo or spec.num_experts:
+    # A whole-q/k norm spans every head: not split over ranks yet (experts are).
+    if olmo:
         with pytest.raises(InvalidRequestError) as refused:
             check_divisible(spec, ParallelLayout(2, 1))
         assert refused.value.field == "tensor_parallel_size"

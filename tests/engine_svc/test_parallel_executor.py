@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from engine_svc.models.model_spec import load_model_spec
 from engine_svc.models.sharding import RankShards
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
+from tests.model_fixtures import TOKENIZER_FILES
 from tests.service_processes import (
     NOT_SERVING,
     ServiceProcess,
@@ -106,8 +108,20 @@ def test_a_parallel_layout_gives_the_single_workers_tokens_and_logprobs(
         loads = _loads(service)
     finally:
         service.stop()
+    _assert_same_steps(single_worker_steps, steps, layout)
+    if "--pipeline-parallel-size" in LAYOUTS[layout]:
+        # The batch queue kept one batch per stage in flight.
+        assert loads.max_batches_in_flight == 2
+    else:
+        assert loads.max_batches_in_flight == 1
+    assert loads.num_batches_in_flight == 0
+
+
+def _assert_same_steps(
+    expected_steps: list[list[Step]], steps: list[list[Step]], name: str
+) -> None:
     ties = []
-    for prompt, (expected, got) in enumerate(zip(single_worker_steps, steps, strict=True)):
+    for prompt, (expected, got) in enumerate(zip(expected_steps, steps, strict=True)):
         assert len(got) == len(expected) == NUM_TOKENS
         for step, ((token, logprob, top), (their_token, their_logprob, _)) in enumerate(
             zip(expected, got, strict=True)
@@ -119,13 +133,37 @@ def test_a_parallel_layout_gives_the_single_workers_tokens_and_logprobs(
                 ties.append((prompt, step, gap))
                 break
             assert abs(logprob - their_logprob) < LOGPROB_TOLERANCE, (prompt, step)
-    print(f"{layout}: near ties that parted the outputs (prompt, step, top-2 gap): {ties}")
-    if "--pipeline-parallel-size" in LAYOUTS[layout]:
-        # The batch queue kept one batch per stage in flight.
-        assert loads.max_batches_in_flight == 2
-    else:
-        assert loads.max_batches_in_flight == 1
-    assert loads.num_batches_in_flight == 0
+    print(f"{name}: near ties that parted the outputs (prompt, step, top-2 gap): {ties}")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_tensor_parallelism_splits_each_expert_of_a_mixture(
+    family: str, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """TP=2 on a mixture (Mixtral's block_sparse_moe, Qwen3-MoE's experts beside a dense
+    layer): each rank holds half of every expert's columns and reads only those from the
+    checkpoint; the tokens and logprobs are the single worker's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine_svc.test_model_families import FAMILIES
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FAMILIES[family]()).save_pretrained(tmp_path / "model")
+    folder = tmp_path / "model"
+    for file in TOKENIZER_FILES:
+        if (default_model_dir / file).is_file():
+            shutil.copy(default_model_dir / file, folder / file)
+    shards = RankShards.of(load_model_spec(folder), ParallelLayout(2, 1))
+    assert shards.moe_rows == (0, load_model_spec(folder).moe_intermediate_size // 2)
+    steps = {}
+    for name, layout in (("single", ()), ("tp2", LAYOUTS["tp2"])):
+        service = start_service(folder, tmp_path / f"{name}.log", *COMMON_ARGS, *layout)
+        try:
+            steps[name] = _generate(service)
+        finally:
+            service.stop()
+    _assert_same_steps(steps["single"], steps["tp2"], f"{family} tp2")
 
 
 @pytest.mark.parametrize("victim", ["worker", "engine-core"])
