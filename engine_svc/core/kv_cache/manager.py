@@ -144,7 +144,12 @@ class KVCacheManager:
     def _release_out_of_window(self, request: Request) -> None:
         """Free the blocks before the window of the request's next token: that token, at
         position p = num_computed_tokens, and every later one attend only to positions
-        after p - attention_span."""
+        after p - attention_span.
+
+        With batches in flight (pipeline parallelism), num_computed_tokens counts tokens
+        of a chunk still being computed, which may read a block freed here. That is safe
+        because every stage runs its batches in order: a new owner of the block writes it
+        in a later batch, after the in-flight one has read it."""
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
