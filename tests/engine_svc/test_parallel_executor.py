@@ -146,7 +146,7 @@ def test_tensor_parallelism_splits_each_expert_of_a_mixture(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.engine_svc.test_model_families import FAMILIES
+    from tests.engine_svc.family_configs import FAMILIES
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(FAMILIES[family]()).save_pretrained(tmp_path / "model")
