@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_svc.kernels import loader
 from tests.k8s.manifests import REPO_ROOT, Manifest, of_kind
 
 START_TIMEOUT_S = 300.0
@@ -63,11 +64,14 @@ def command_of(
 def running(
     module: str, args: list[str], environment: dict[str, str], log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
+    # The engine image's own environment: its kernels built in at /opt/duoserve-kernels. Here,
+    # the ones `make kernels` built; else every pod start would compile them again.
+    image = {loader.CACHE_ENV: str(loader.cache_root())}
     with log.open("wb") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             cwd=REPO_ROOT,
-            env={**os.environ, **environment},
+            env={**os.environ, **image, **environment},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so teardown reaches the engine's own processes too
