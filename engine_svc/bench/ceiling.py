@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 GEMM_SIZE = 2048
-GEMM_REPEATS = 8
+GEMM_REPEATS = 2
 COPY_BYTES = 512 * 2**20
 NUM_TRIALS = 5
 
