@@ -2,21 +2,21 @@
 prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
 
     python -m engine_svc.bench [offline] --model DIR [--skip-hf] [--rounds N] [--isa avx2]
+        [--vllm-python PATH]
 
-Each system runs in a process of its own (worker.py), so neither inherits the other's
-threads, allocator settings or warm memory: our engine tunes glibc malloc for its process,
-and Hugging Face is measured as its users run it. The two are then alternated, round after
-round (batch, then one request alone), and the figures are medians: per system, and for
-the ratios, the median of each round's ratio, which compares the systems under the same
-conditions on a machine whose speed drifts. Prints a table, then one JSON line with every
-figure.
+Each system runs in a process of its own (worker.py), so none inherits another's threads,
+allocator settings or warm memory: our engine tunes glibc malloc for its process, Hugging
+Face is measured as its users run it, and a vLLM build runs in its own environment
+(vllm_worker.py). They are then alternated, round after round (batch, then one request
+alone), and the figures are medians: per system, and for the ratios, the median of each
+round's ratio, which compares the systems under the same conditions on a machine whose speed
+drifts (alternating.py). Prints a table, then one JSON line with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -27,91 +27,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from engine_svc.bench import ceiling, machine
+from engine_svc.bench import ceiling, machine, vllm_worker
+from engine_svc.bench.alternating import (
+    Summary,
+    Workload,
+    make_workload,
+    measure_alternating,
+    print_table,
+    summarize,
+)
 from engine_svc.bench.worker import Worker, serve
 
-SINGLE_PROMPT_LEN = 128
-NUM_TTFT_TRIALS = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Runs prompts (token ids) to a fixed number of new tokens; returns the new tokens.
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
-Summary = dict[str, float | int | str | None]  # the figures, as printed in the JSON line
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    single_prompt: list[int]
-    output_len: int
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.prompts) * self.output_len
-
-
-@dataclasses.dataclass(frozen=True)
-class SystemResult:
-    """One system's figures: start-up, the batched runs, and one request on its own."""
-
-    start_s: float
-    batch_rounds: list[float]
-    single_rounds: list[float]  # one request to `output_len` new tokens
-    ttft_s: float  # the same request to one new token, the best of NUM_TTFT_TRIALS
-    outputs: list[list[int]]  # the first batch's
-
-    @property
-    def batch_s(self) -> float:
-        return float(np.median(self.batch_rounds))
-
-    @property
-    def single_s(self) -> float:
-        return float(np.median(self.single_rounds))
-
-    def tokens_per_s(self, workload: Workload) -> float:
-        return workload.num_output_tokens / self.batch_s
-
-    def ms_per_token(self, workload: Workload) -> float:
-        return 1000 * self.single_s / workload.output_len
-
-    def decode_ms_per_token(self, workload: Workload) -> float:
-        return 1000 * (self.single_s - self.ttft_s) / max(workload.output_len - 1, 1)
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    rng = np.random.default_rng(args.seed)
-    lengths = rng.integers(args.min_len, args.max_len, size=args.num_prompts, endpoint=True)
-    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
-    single = rng.integers(0, vocab_size, size=SINGLE_PROMPT_LEN).tolist()
-    return Workload(prompts=prompts, single_prompt=single, output_len=args.output_len)
-
-
-def measure_alternating(workers: dict[str, Worker], rounds: int) -> dict[str, SystemResult]:
-    """Each round runs the batch on every system in turn, then one request alone on each;
-    the best time to first token of NUM_TTFT_TRIALS comes last."""
-    batches: dict[str, list[float]] = {name: [] for name in workers}
-    singles: dict[str, list[float]] = {name: [] for name in workers}
-    outputs: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        for name, worker in workers.items():
-            answer = worker.ask("batch")
-            batches[name].append(answer["seconds"])
-            outputs.setdefault(name, answer["outputs"])
-        for name, worker in workers.items():
-            singles[name].append(worker.ask("single")["seconds"])
-    ttft = {name: min(w.ask("ttft")["seconds"] for _ in range(NUM_TTFT_TRIALS))
-            for name, w in workers.items()}  # fmt: skip
-    return {
-        name: SystemResult(worker.start_s, batches[name], singles[name], ttft[name], outputs[name])
-        for name, worker in workers.items()
-    }
 
 
 @contextlib.contextmanager
@@ -176,86 +108,6 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
     return input_ids, attention_mask
 
 
-def summarize(
-    workload: Workload,
-    ours: SystemResult,
-    hf: SystemResult | None,
-    ceilings: ceiling.Ceilings,
-    num_params: int,
-    bytes_per_param: int,
-) -> Summary:
-    processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / ours.batch_s
-    decode_s = ours.decode_ms_per_token(workload) / 1000
-    summary: Summary = {
-        "rounds": len(ours.batch_rounds),
-        "num_prompts": len(workload.prompts),
-        "prompt_tokens": workload.num_prompt_tokens,
-        "output_len": workload.output_len,
-        **_figures("ours", ours, workload),
-        **ceiling.utilization_figures(
-            ceilings, num_params, bytes_per_param, processed_per_s, decode_s
-        ),
-    }
-    if hf is not None:
-        # Round by round: each ratio compares the two under the same conditions.
-        throughput = [h / o for o, h in zip(ours.batch_rounds, hf.batch_rounds, strict=True)]
-        latency = [o / h for o, h in zip(ours.single_rounds, hf.single_rounds, strict=True)]
-        summary |= {
-            **_figures("hf", hf, workload),
-            "throughput_ratio": float(np.median(throughput)),
-            "throughput_ratio_min": min(throughput),
-            "throughput_ratio_max": max(throughput),
-            "latency_ratio": float(np.median(latency)),
-            "outputs_equal_hf": sum(a == b for a, b in zip(ours.outputs, hf.outputs, strict=True)),
-        }
-    return summary
-
-
-def _figures(name: str, result: SystemResult, workload: Workload) -> Summary:
-    return {
-        f"{name}_start_s": result.start_s,
-        f"{name}_batch_s": result.batch_s,
-        f"{name}_tok_s": result.tokens_per_s(workload),
-        f"{name}_ms_per_tok": result.ms_per_token(workload),
-        # None where noise exceeded the decode time (a very short request).
-        f"{name}_decode_ms_per_tok": decode
-        if (decode := result.decode_ms_per_token(workload)) > 0
-        else None,
-        f"{name}_ttft_ms": 1000 * result.ttft_s,
-    }
-
-
-def print_table(summary: Summary, dtype: str) -> None:
-    def cell(key: str, spec: str) -> str:
-        value = summary.get(key)
-        return "-" if value is None else format(value, spec)
-
-    rows = [
-        ("start-up (s)", "start_s", ".1f"),
-        ("batch wall time (s)", "batch_s", ".1f"),
-        ("batch output tokens/s", "tok_s", ".1f"),
-        ("1 request: ms/output token", "ms_per_tok", ".1f"),
-        ("1 request: decode ms/token", "decode_ms_per_tok", ".1f"),
-        ("1 request: TTFT (ms)", "ttft_ms", ".0f"),
-    ]
-    print(
-        f"\n{summary['num_prompts']} prompts ({summary['prompt_tokens']} prompt tokens) x "
-        f"{summary['output_len']} new tokens, greedy, {dtype}"
-    )
-    print(f"{'':30}{'ours':>10}{'HF':>10}")
-    for label, key, spec in rows:
-        print(f"{label:30}{cell('ours_' + key, spec):>10}{cell('hf_' + key, spec):>10}")
-    if "throughput_ratio" in summary:
-        print(
-            f"throughput ours/HF: {cell('throughput_ratio', '.2f')}x (median of "
-            f"{summary['rounds']} alternating rounds; {cell('throughput_ratio_min', '.2f')}x-"
-            f"{cell('throughput_ratio_max', '.2f')}x)   "
-            f"ms per token ours/HF: {cell('latency_ratio', '.2f')}x (lower is better)   "
-            f"outputs equal to HF: {cell('outputs_equal_hf', 'd')}/{summary['num_prompts']}"
-        )
-    print(ceiling.describe(summary))
-
-
 def measure_structured(args: argparse.Namespace) -> Summary:
     """Engine steps per second with 32 JSON-schema requests against 32 free ones."""
     from engine_svc import LLM
@@ -300,6 +152,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--skip-structured", action="store_true", help="skip the structured-output step rate"
     )
     parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="the Python of an environment with a vLLM build: runs it as a third system on "
+        "the same prompts (vllm_worker.py)",
+    )
+    parser.add_argument(
         "--isa",
         choices=sorted(machine.ISA_CAPS),
         help="hold torch, MKL, oneDNN and our kernels to this vector level (on a CPU that has "
@@ -313,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.system == "structured" and not args.result_file:
         parser.error("--system structured needs --result-file")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        parser.error(f"--vllm-python {args.vllm_python}: not an executable file")
     if args.rounds < 1:
         parser.error("need --rounds >= 1")
     if not 1 <= args.min_len <= args.max_len:
@@ -338,28 +198,26 @@ def main(argv: list[str] | None = None) -> None:
         )
         args.skip_hf = True
     structured = {} if args.skip_structured else _in_subprocess(args, "structured")
-    workers: dict[str, Worker] = {}
-    try:  # started one after the other, so that each start-up is timed alone
-        for name in ("ours",) if args.skip_hf else ("ours", "hf"):
-            workers[name] = Worker(_command(args, name))
-        results = measure_alternating(workers, args.rounds)
-    finally:
-        for worker in workers.values():
-            worker.close()
     config = json.loads((Path(args.model) / "config.json").read_text())
     workload = make_workload(args, config["vocab_size"])
+    workers: dict[str, Worker] = {}
+    with tempfile.TemporaryDirectory(prefix="duoserve-bench-") as folder:
+        try:  # started one after the other, so that each start-up is timed alone
+            for name in ("ours",) if args.skip_hf else ("ours", "hf"):
+                workers[name] = Worker(_command(args, name))
+            if args.vllm_python:
+                workers["vllm"] = _vllm_worker(args, workload, Path(folder))
+            results = measure_alternating(workers, args.rounds)
+        finally:
+            for worker in workers.values():
+                worker.close()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     # Measured twice: on a shared machine one of the two may be contended.
     ceilings = ceiling.measure_ceilings(_DTYPES[args.dtype])
     ceilings = ceilings.best(ceiling.measure_ceilings(_DTYPES[args.dtype]))
     bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
     summary = summarize(
-        workload,
-        results["ours"],
-        results.get("hf"),
-        ceilings,
-        ceiling.count_parameters(args.model),
-        bytes_per_param,
+        workload, results, ceilings, ceiling.count_parameters(args.model), bytes_per_param
     )
     summary.update(structured)
     summary |= machine.identity()
@@ -368,6 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     print(machine.describe())
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+
+
+def _vllm_worker(args: argparse.Namespace, workload: Workload, folder: Path) -> Worker:
+    """vLLM in its own environment's Python, on the same token ids (vllm_worker.py)."""
+    path = folder / "workload.json"
+    vllm_worker.write_workload(path, workload.prompts, workload.single_prompt, workload.output_len)
+    command = vllm_worker.command(args.vllm_python, args.model, args.dtype, args.seed, path)
+    return Worker(command, env=vllm_worker.environment())
 
 
 def _command(args: argparse.Namespace, system: str) -> list[str]:

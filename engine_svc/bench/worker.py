@@ -62,9 +62,9 @@ def _answer(payload: dict[str, Any]) -> None:
 class Worker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.start_s: float = self._read()["start_s"]
 

@@ -1,11 +1,14 @@
-"""`make bench` end to end on the tiny model: each system a worker process of its own, the two
-alternated round after round, the figures and the exactness count in one JSON line. Figures
-are not checked for speed (benchmarks measure speed; tests check that they run and agree
-with HF). On a CPU with AVX2 it runs held to AVX2 (`--isa avx2`), as on an AVX2-only machine."""
+"""`make bench` end to end on the tiny model: each system a worker process of its own, the
+systems alternated round after round, the figures and the exactness count in one JSON line.
+Figures are not checked for speed (benchmarks measure speed; tests check that they run and
+agree with HF). On a CPU with AVX2 it runs held to AVX2 (`--isa avx2`), as on an AVX2-only
+machine. No vLLM build is installed here: a stand-in `vllm` package shows what the vLLM
+worker is asked and that its figures and outputs reach the summary."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +18,60 @@ from engine_svc.bench import machine as bench_machine
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) -> None:
+# vLLM's offline API as the vLLM worker uses it; each call is logged, one JSON line each.
+# Its tokens are not the model's: the summary must count 0 of them equal to HF's.
+FAKE_VLLM = """
+import json, os
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+class _Completion:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+class _RequestOutput:
+    def __init__(self, token_ids):
+        self.outputs = [_Completion(token_ids)]
+
+def _log(**entry):
+    with open(os.environ["FAKE_VLLM_LOG"], "a") as log:
+        log.write(json.dumps(entry) + "\\n")
+
+class LLM:
+    def __init__(self, **kwargs):
+        _log(init=kwargs)
+
+    def reset_prefix_cache(self):
+        _log(reset=True)
+
+    def generate(self, requests, params, use_tqdm=True):
+        _log(prompts=[r["prompt_token_ids"] for r in requests], params=params.kwargs)
+        n = params.kwargs["max_tokens"]
+        return [_RequestOutput([(r["prompt_token_ids"][-1] + k) % 7 for k in range(n)])
+                for r in requests]
+"""
+
+
+def test_bench_runs_every_system_and_reports_every_figure(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    log = tmp_path / "vllm-calls.jsonl"
     command = [
         sys.executable, "-m", "engine_svc.bench", "--model", str(tiny_model_dir),
         "--num-prompts", "3", "--output-len", "4", "--min-len", "4", "--max-len", "9",
-        "--skip-structured", "--rounds", "2",
+        "--skip-structured", "--rounds", "2", "--vllm-python", sys.executable,
     ]  # fmt: skip
     capped = "avx2" in bench_machine.cpu_flags()
     if capped:
         command += ["--isa", "avx2"]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path), "FAKE_VLLM_LOG": str(log)}
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_prompts"] == 3 and summary["output_len"] == 4 and summary["rounds"] == 2
@@ -42,6 +89,27 @@ def test_bench_runs_both_systems_and_reports_every_figure(tiny_model_dir: Path) 
     if capped:  # every system ran held to AVX2: torch, and our kernels' build
         assert "(capped: avx2)" in done.stdout
         assert summary["kernel_level"] == "x86-64-v3 (avx2)"
+    calls = [json.loads(line) for line in log.open()]
+    _check_the_vllm_system(summary, done.stdout, calls, tiny_model_dir)
+
+
+def _check_the_vllm_system(summary: dict, stdout: str, calls: list[dict], model: Path) -> None:
+    assert calls[0] == {"init": {"model": str(model), "dtype": "float32", "seed": 0}}
+    generations = [call for call in calls if "prompts" in call]
+    # warm-up; per round the batch then the single request; then 3 times to one token
+    assert [len(call["prompts"]) for call in generations] == [1, 3, 1, 3, 1, 1, 1, 1]
+    batches = [call["prompts"] for call in generations if len(call["prompts"]) == 3]
+    assert batches[0] == batches[1] and all(4 <= len(p) <= 9 for p in batches[0])
+    assert sum(len(p) for p in batches[0]) == summary["prompt_tokens"]
+    assert [call["params"]["max_tokens"] for call in generations] == [4, 4, 4, 4, 4, 1, 1, 1]
+    assert all(call["params"]["temperature"] == 0 and call["params"]["ignore_eos"]
+               for call in generations)  # fmt: skip
+    # every run starts with an empty prefix cache, as ours does
+    assert all("reset" in calls[i - 1] for i, call in enumerate(calls) if "prompts" in call)
+    for key in ("vllm_tok_s", "vllm_throughput_ratio", "vllm_latency_ratio", "ours_over_vllm"):
+        assert summary[key] > 0, key
+    assert summary["vllm_outputs_equal_hf"] == 0
+    assert "throughput vLLM/HF:" in stdout and "throughput ours/vLLM:" in stdout
 
 
 def test_bench_serve_sweeps_through_the_started_services(

@@ -1,0 +1,76 @@
+"""A vLLM build as a third system of the offline benchmark (`--vllm-python PATH`).
+
+vLLM lives in an environment of its own (its torch is not ours), so its worker runs under
+that environment's Python with this repository on PYTHONPATH, and imports nothing beyond the
+standard library, vLLM and worker.py's command loop (standard library only too). The parent
+writes the workload to a JSON file: the very token ids the other systems run.
+
+    PATH/TO/python -m engine_svc.bench.vllm_worker --model DIR --workload FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from engine_svc.bench.worker import serve
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def write_workload(
+    path: Path, prompts: list[list[int]], single_prompt: list[int], output_len: int
+) -> None:
+    payload = {"prompts": prompts, "single_prompt": single_prompt, "output_len": output_len}
+    path.write_text(json.dumps(payload))
+
+
+def command(python: str, model: str, dtype: str, seed: int, workload: Path) -> list[str]:
+    return [python, "-m", "engine_svc.bench.vllm_worker", "--model", model, "--dtype", dtype,
+            "--seed", str(seed), "--workload", str(workload)]  # fmt: skip
+
+
+def environment() -> dict[str, str]:
+    """The parent's environment, with this repository first on PYTHONPATH."""
+    paths = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+@contextlib.contextmanager
+def vllm_system(model: str, dtype: str, seed: int) -> Iterator[GenerateFn]:
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found, unused-ignore]
+
+    llm: Any = LLM(model=model, dtype=dtype, seed=seed)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        llm.reset_prefix_cache()  # each timed run starts cold, as ours and Hugging Face's do
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    yield generate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine_svc.bench.vllm_worker")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", required=True, help="the JSON file the parent wrote")
+    args = parser.parse_args()
+    workload = json.loads(Path(args.workload).read_text())
+    system = functools.partial(vllm_system, args.model, args.dtype, args.seed)
+    serve(system, workload["prompts"], workload["single_prompt"], workload["output_len"])
+
+
+if __name__ == "__main__":
+    main()
