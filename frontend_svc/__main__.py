@@ -12,7 +12,7 @@ from pathlib import Path
 from frontend_svc.engines.resolver import parse_target
 from frontend_svc.serve import FrontendOptions, serve
 from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES
-from shared.grpc_auth import AuthConfigError, TokenSet, read_client_token
+from shared.grpc_auth import AuthConfigError, ClientToken, TokenSet
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import (
     TLSConfigError,
@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--engine-auth-token-file",
         type=Path,
-        help="send the first line of this file as the bearer token to the engines "
-        f"(or set {ENGINE_AUTH_TOKEN_ENV}; default: none)",
+        help="send the first line of this file as the bearer token to the engines, re-read "
+        f"when it changes (or set {ENGINE_AUTH_TOKEN_ENV}; default: none)",
     )
     add_server_arguments(parser)
     add_client_arguments(parser, "--engine-tls", "the engines")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokenizer: {args.tokenizer} is not a directory")
     try:
         auth_tokens = TokenSet.from_options(args.auth_token_file, os.environ, AUTH_TOKENS_ENV)
-        engine_token = read_client_token(
+        engine_token = ClientToken.from_options(
             args.engine_auth_token_file, os.environ, ENGINE_AUTH_TOKEN_ENV
         )
         tls = server_tls(args)

@@ -26,7 +26,7 @@ from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set
 from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
-from shared.grpc_auth import TokenSet, server_interceptors
+from shared.grpc_auth import ClientToken, TokenSet, server_interceptors
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import ClientTLS, ServerTLS
 from shared.metrics.http_server import start_metrics_server
@@ -49,7 +49,7 @@ class FrontendOptions:
     shutdown_grace_s: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     auth_tokens: TokenSet | None = None  # None: no authentication
-    engine_auth_token: str = ""  # sent to the engines ("": none)
+    engine_auth_token: ClientToken | None = None  # sent to the engines (None: none)
     tls: ServerTLS | None = None  # None: plaintext
     engine_tls: ClientTLS | None = None  # None: plaintext to the engines
     stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S
@@ -119,7 +119,7 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
 
 
 def _endpoint_factory(
-    poll_interval_s: float, auth_token: str, tls: ClientTLS | None
+    poll_interval_s: float, auth_token: ClientToken | None, tls: ClientTLS | None
 ) -> Callable[[str, Callable[[], None]], EngineEndpoint]:
     return lambda address, on_change: EngineEndpoint(
         address, poll_interval_s, on_change, auth_token, tls

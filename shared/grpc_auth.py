@@ -33,18 +33,43 @@ class AuthConfigError(ValueError):
     """Tokens were asked for but none can be read."""
 
 
+class TokenFile:
+    """A file of tokens, one a line, re-read whenever it changes (its mtime, size or inode).
+    Mid-rotation it may be briefly missing or empty: its last tokens stay."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tokens = _read_tokens(path)
+        self._stamp = _stamp(path)
+
+    def tokens(self) -> tuple[bytes, ...]:
+        try:
+            stamp = _stamp(self.path)
+            if stamp == self._stamp:
+                return self._tokens
+            tokens = _read_tokens(self.path)
+        except OSError as error:
+            logger.warning(
+                "cannot read the token file %s (%s); keeping its last tokens", self.path, error
+            )
+            return self._tokens
+        self._stamp = stamp  # read once per change, whatever it held
+        if not tokens:
+            logger.warning("the token file %s holds no token; keeping its last tokens", self.path)
+            return self._tokens
+        self._tokens = tokens
+        logger.info("token file %s re-read: %d tokens", self.path, len(tokens))
+        return tokens
+
+
 class TokenSet:
     """The tokens a server accepts: those of the environment, and those of a file, re-read
-    whenever the file changes (its mtime, size or inode)."""
+    whenever the file changes."""
 
     def __init__(self, path: Path | None = None, fixed: Sequence[str] = ()) -> None:
         self.path = path
         self.fixed = tuple(t.encode() for t in fixed if t)
-        self._file_tokens: tuple[bytes, ...] = ()
-        self._stamp: tuple[int, int, int] | None = None
-        if path is not None:
-            self._file_tokens = _read_tokens(path)
-            self._stamp = _stamp(path)
+        self._file = None if path is None else TokenFile(path)
         if not self._all():
             raise AuthConfigError(f"no token in {path or 'the environment'}")
 
@@ -66,29 +91,33 @@ class TokenSet:
         return matched
 
     def _all(self) -> tuple[bytes, ...]:
-        self._reload_if_changed()
-        return self.fixed + self._file_tokens
+        return self.fixed + (() if self._file is None else self._file.tokens())
 
-    def _reload_if_changed(self) -> None:
-        if self.path is None:
-            return
-        try:
-            stamp = _stamp(self.path)
-            if stamp == self._stamp:
-                return
-            tokens = _read_tokens(self.path)
-        except OSError as error:
-            # Mid-rotation the file can be briefly missing: keep the tokens we have.
-            logger.warning(
-                "cannot read the token file %s (%s); keeping its last tokens", self.path, error
-            )
-            return
-        self._stamp = stamp  # read once per change, whatever it held
-        if not tokens:
-            logger.warning("the token file %s holds no token; keeping its last tokens", self.path)
-            return
-        self._file_tokens = tokens
-        logger.info("token file %s re-read: %d tokens", self.path, len(tokens))
+
+class ClientToken:
+    """The token a client sends: the first line of a file, re-read when the file changes
+    (so a frontend follows a rotated engine token without a restart: write the new token on
+    the first line, the old one after it until every engine has the new one), or a fixed
+    one from the environment."""
+
+    def __init__(self, path: Path | None = None, fixed: str = "") -> None:
+        self._file = None if path is None else TokenFile(path)
+        self._fixed = fixed
+        if not (fixed if self._file is None else self._file.tokens()):
+            raise AuthConfigError(f"no token in {path or 'the environment'}")
+
+    @classmethod
+    def from_options(
+        cls, token_file: Path | None, environ: Mapping[str, str], env_name: str
+    ) -> ClientToken | None:
+        """None when neither the file nor the variable is given: no authorization sent."""
+        fixed = environ.get(env_name, "").strip()
+        if token_file is None and not fixed:
+            return None
+        return cls(token_file, "" if token_file is not None else fixed)
+
+    def current(self) -> str:
+        return self._fixed if self._file is None else self._file.tokens()[0].decode()
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -147,19 +176,20 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     )
 
 
-def client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+def client_interceptors(token: ClientToken) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that add `authorization: Bearer TOKEN` to every unary and
-    server-streaming call of a grpc.aio channel. Two objects: a channel files each
-    interceptor under the first call type it implements only."""
+    server-streaming call of a grpc.aio channel, TOKEN the current one at each call. Two
+    objects: a channel files each interceptor under the first call type it implements only."""
     return [_UnaryWithToken(token), _StreamWithToken(token)]
 
 
 class _WithToken:
-    def __init__(self, token: str) -> None:
-        self.metadata = call_metadata(token)
+    def __init__(self, token: ClientToken) -> None:
+        self.token = token
 
     def with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.metadata)
+        token_metadata = call_metadata(self.token.current())
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *token_metadata)
         return details._replace(metadata=metadata)
 
 
@@ -178,14 +208,10 @@ class _StreamWithToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
 
 
 def read_client_token(token_file: Path | None, environ: Mapping[str, str], env_name: str) -> str:
-    """The token a client sends: the first line of `token_file`, else the variable, else ""
-    (no authorization metadata)."""
-    if token_file is not None:
-        tokens = _read_tokens(token_file)
-        if not tokens:
-            raise AuthConfigError(f"no token in {token_file}")
-        return tokens[0].decode()
-    return environ.get(env_name, "").strip()
+    """The token a one-shot client sends: the first line of `token_file`, else the
+    variable, else "" (no authorization metadata)."""
+    token = ClientToken.from_options(token_file, environ, env_name)
+    return "" if token is None else token.current()
 
 
 def call_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from frontend_svc.engines.convert import to_engine_load, to_model_info
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
-from shared.grpc_auth import client_interceptors
+from shared.grpc_auth import ClientToken, client_interceptors
 from shared.grpc_tls import ClientTLS, FilesWatcher
 from shared.protos import engine_pb2, engine_pb2_grpc
 
@@ -42,14 +42,14 @@ class EngineEndpoint:
         address: str,
         poll_interval_s: float,
         on_change: Callable[[], None],
-        auth_token: str = "",
+        auth_token: ClientToken | None = None,
         tls: ClientTLS | None = None,
     ) -> None:
         self.address = address
         self.poll_interval_s = poll_interval_s
         self.on_change = on_change
         # With a token, every call carries it (the engine may require one).
-        self._interceptors = client_interceptors(auth_token) if auth_token else None
+        self._interceptors = None if auth_token is None else client_interceptors(auth_token)
         # Under TLS, rewritten certificate files (a rotated secret) open a new channel.
         self._tls_files = None if tls is None else FilesWatcher(tls.files(), tls.credentials)
         self._options = CHANNEL_OPTIONS + ([] if tls is None else tls.channel_options())

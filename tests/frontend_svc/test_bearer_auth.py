@@ -31,10 +31,12 @@ from tests.service_processes import (
 
 
 class Secured:
-    def __init__(self, engine: ServiceProcess, frontend: FrontendProcess, tokens: Path):
+    def __init__(self, engine: ServiceProcess, frontend: FrontendProcess, folder: Path):
         self.engine = engine
         self.frontend = frontend
-        self.frontend_tokens = tokens
+        self.frontend_tokens = folder / "frontend-tokens"  # what the frontend accepts
+        self.engine_tokens = folder / "engine-tokens"  # what the engine accepts
+        self.engine_token = folder / "frontend-to-engine"  # what the frontend sends it
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def secured(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "--engine-auth-token-file", str(folder / "frontend-to-engine"),
     )  # fmt: skip
     wait_all_serving([engine, frontend])  # SERVING needs the tokenizer, fetched with a token
-    yield Secured(engine, frontend, folder / "frontend-tokens")
+    yield Secured(engine, frontend, folder)
     frontend.stop()
     engine.stop()
 
@@ -98,6 +100,29 @@ def test_rewriting_the_token_file_rotates_the_tokens(secured: Secured) -> None:
         assert _generate(address, "beta") == grpc.StatusCode.OK
     finally:
         secured.frontend_tokens.write_text("alpha\n")
+
+
+def test_the_frontend_follows_a_rotated_engine_token(secured: Secured) -> None:
+    """The engine token rotates as the auth component says: the engine accepts the old and
+    the new, the frontend's file gets the new one, the engine drops the old. The last call
+    goes through only if the frontend re-read its file (it would still send the old one)."""
+    address = secured.frontend.address
+    try:
+        _rewrite(secured.engine_tokens, "engine-token\nengine-new\n")
+        _rewrite(secured.engine_token, "engine-new\n")
+        assert _generate(address, "alpha") == grpc.StatusCode.OK
+        _rewrite(secured.engine_tokens, "engine-new\n")
+        assert _generate(address, "alpha") == grpc.StatusCode.OK
+    finally:
+        _rewrite(secured.engine_tokens, "engine-old\nengine-token\n")
+        _rewrite(secured.engine_token, "engine-token\n")
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """As the kubelet updates a mounted Secret: a new file moved into place."""
+    fresh = path.with_suffix(".new")
+    fresh.write_text(text)
+    fresh.replace(path)
 
 
 def test_the_engine_refuses_calls_without_its_token(secured: Secured) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from shared.grpc_auth import (
     AuthConfigError,
+    ClientToken,
     TokenSet,
     bearer_token,
     call_metadata,
@@ -78,3 +79,22 @@ def test_client_and_server_agree_on_the_metadata(tmp_path: Path) -> None:
     assert bearer_token(call_metadata(token)) == "s3cret"
     assert bearer_token([("authorization", "Basic s3cret")]) == ""
     assert bearer_token(None) == ""
+
+
+def test_a_client_token_file_is_re_read_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\nsecond\n")
+    token = ClientToken(path)
+    assert token.current() == "first"
+    _rewrite(path, "new\nfirst\n")  # rotation: the new token first
+    assert token.current() == "new"
+    path.unlink()  # mid-rotation
+    assert token.current() == "new"
+    path.write_text("\n")
+    assert token.current() == "new"
+    assert ClientToken.from_options(None, {}, "TOKEN") is None
+    from_env = ClientToken.from_options(None, {"TOKEN": " env "}, "TOKEN")
+    assert from_env is not None and from_env.current() == "env"
+    path.write_text(" \n")
+    with pytest.raises(AuthConfigError):
+        ClientToken(path)
