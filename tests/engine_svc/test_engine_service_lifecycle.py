@@ -17,6 +17,7 @@ import pytest
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
+from tests.process_tree import descendants, is_alive
 from tests.service_processes import (
     NOT_SERVING,
     ServiceProcess,
@@ -115,6 +116,21 @@ def test_kill_9_of_the_engine_fails_every_stream_and_the_service(launch: Service
     service = launch()
     (engine_pid,) = service.engine_pids()
     _assert_fails_fast_and_exits_nonzero(service, lambda: os.kill(engine_pid, signal.SIGKILL))
+
+
+def test_kill_9_of_the_service_process_leaves_no_engine_core(launch: ServiceFactory) -> None:
+    """The engine core watches the service process that spawned it: killed with -9, the
+    service cannot stop its children, and the core ends itself (it aborts its requests and
+    exits once it sees its parent's sentinel close)."""
+    service = launch()
+    (engine_pid,) = service.engine_pids()
+    assert engine_pid in descendants(service.process.pid)
+    os.kill(service.process.pid, signal.SIGKILL)  # the service alone, not its session
+    service.process.wait(timeout=30)
+    deadline = time.monotonic() + 60  # generous: the core acts as soon as it is scheduled
+    while is_alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_alive(engine_pid), "the engine core outlived its service process"
 
 
 def test_a_forward_error_fails_every_stream_and_the_service(launch: ServiceFactory) -> None:

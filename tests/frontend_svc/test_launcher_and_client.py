@@ -13,30 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from tests.process_tree import child_pids, descendants, is_alive
 from tests.service_processes import REPO_ROOT, free_port
 
 READY_TIMEOUT_S = 120.0
-
-
-def child_pids(pid: int) -> list[int]:
-    with contextlib.suppress(FileNotFoundError):
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return []
-
-
-def descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    for child in child_pids(pid):
-        found += [child, *descendants(child)]
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    """Running, not merely a zombie its parent has yet to reap."""
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    return False
 
 
 def wait_ready_line(launcher: subprocess.Popen[str]) -> str:
