@@ -1,6 +1,7 @@
 """`make run`'s launcher with the tiny model: one ready line once both services serve, the
-command-line client answers (one-shot, streamed, chat), Ctrl-C stops both services, and a
-launcher killed with -9 leaves no service behind."""
+command-line client answers (one-shot, streamed, chat), Ctrl-C stops both services, a
+launcher killed with -9 leaves no service behind, and the frontend it starts serves TLS and
+requires tokens when told to."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from tests.process_tree import child_pids, descendants, is_alive
 from tests.service_processes import REPO_ROOT, free_port
+from tests.shared.tls_certs import make_authority
 
 READY_TIMEOUT_S = 120.0
 
@@ -43,10 +45,12 @@ def client(address: str, *args: str, stdin: str | None = None) -> subprocess.Com
     )
 
 
-def start_launcher(model_dir: Path, port: int, engine_port: int) -> subprocess.Popen[str]:
+def start_launcher(
+    model_dir: Path, port: int, engine_port: int, *extra_args: str
+) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "frontend_svc.launcher", "--model", str(model_dir),
                "--port", str(port), "--engine-port", str(engine_port),
-               "--engine-arg=--num-kv-blocks=256"]  # fmt: skip
+               "--engine-arg=--num-kv-blocks=256", *extra_args]  # fmt: skip
     return subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -113,3 +117,52 @@ def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None
         for pid in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_launcher_serves_tls_and_requires_a_token(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--tls-cert-file/--tls-key-file` and `--auth-token-file` go to the frontend, the public
+    API; the launcher checks it over TLS, trusting the CA given; the engine stays on
+    127.0.0.1. The client gets through with the CA and a token, and not without either."""
+    ca = make_authority(tmp_path, "launcher-ca")
+    frontend = ca.issue(tmp_path, "frontend", server=True)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    port, engine_port = free_port(), free_port()
+    launcher = start_launcher(
+        tiny_model_dir, port, engine_port,
+        "--tls-cert-file", str(frontend.cert), "--tls-key-file", str(frontend.key),
+        "--probe-tls-ca-file", str(ca.pem.cert), "--auth-token-file", str(tokens),
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        ready = wait_ready_line(launcher)
+        children = child_pids(launcher.pid)
+        assert f"--tls-ca-file {ca.pem.cert}" in ready and "--auth-token-file" in ready
+        address = f"127.0.0.1:{port}"
+        trusting = ["--tls-ca-file", str(ca.pem.cert)]
+        done = client(address, "Hello", "--max-tokens", "4", *trusting, "--auth-token-file",
+                      str(tokens))  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr
+        plaintext = client(address, "Hello", "--max-tokens", "4", "--auth-token-file", str(tokens))
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+        no_token = client(address, "Hello", "--max-tokens", "4", *trusting)
+        assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_launcher_refuses_mutual_tls_it_cannot_probe(tmp_path: Path) -> None:
+    ca = make_authority(tmp_path, "launcher-ca")
+    frontend = ca.issue(tmp_path, "frontend", server=True)
+    command = [sys.executable, "-m", "frontend_svc.launcher", "--tls-cert-file",
+               str(frontend.cert), "--tls-key-file", str(frontend.key),
+               "--tls-client-ca-file", str(ca.pem.cert)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--probe-tls-cert-file" in done.stderr
