@@ -19,13 +19,15 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
-    """`mode`: "ok" (emit `tokens` one per message, every `interval_s`), "fail_before",
-    "fail_after" (one token, then UNAVAILABLE), "hang" (never answer), "invalid"."""
+    """`mode`: "ok" (emit `tokens` one per message), "fail_before", "fail_after" (one token,
+    then UNAVAILABLE), "hang" (never answer), "invalid". With `hold_after`, an "ok" stream
+    emits that many tokens, then holds until the frontend cancels it: a test that checks for
+    the cancel never races the stream's own end, however slow the machine."""
 
-    def __init__(self, tokens: list[int], mode: str = "ok", interval_s: float = 0.0) -> None:
+    def __init__(self, tokens: list[int], mode: str = "ok", hold_after: int | None = None) -> None:
         self.tokens = tokens
         self.mode = mode
-        self.interval_s = interval_s
+        self.hold_after = hold_after
         self.calls: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.port = free_port()
@@ -68,10 +70,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p: bad")
         if self.mode == "hang":
-            await asyncio.sleep(3600)
+            await _until_cancelled()
         limit = request.sampling_params.max_tokens or len(self.tokens)
         for count, token in enumerate(self.tokens[:limit], start=1):
-            await asyncio.sleep(self.interval_s)
             last = count == limit
             reason = pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED
             yield pb.GenerateResponse(
@@ -79,6 +80,8 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             )
             if self.mode == "fail_after":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "engine core died")
+            if count == self.hold_after:
+                await _until_cancelled()
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -91,3 +94,8 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         return pb.GetLoadsResponse(loads=[pb.RankLoad(rank=0)])
+
+
+async def _until_cancelled() -> None:
+    """Waits on a future nothing resolves: only cancelling the call ends the wait."""
+    await asyncio.get_running_loop().create_future()

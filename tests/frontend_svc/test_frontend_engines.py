@@ -33,12 +33,13 @@ class Cluster:
         self.frontend = frontend
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    logs = tmp_path_factory.mktemp("frontend-engines")
-    engines = [ServiceProcess(tiny_model_dir, logs / f"engine-{i}.log") for i in range(2)]
+@pytest.fixture
+def cluster(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster of its own for each test: two of them kill engines, and none may depend
+    on running before or after those (a start costs a few seconds)."""
+    engines = [ServiceProcess(tiny_model_dir, tmp_path / f"engine-{i}.log") for i in range(2)]
     frontend = FrontendProcess(
-        [e.address for e in engines], logs / "frontend.log", "--tokenizer", str(tiny_model_dir)
+        [e.address for e in engines], tmp_path / "frontend.log", "--tokenizer", str(tiny_model_dir)
     )
     wait_all_serving([*engines, frontend])
     yield Cluster(engines, frontend)

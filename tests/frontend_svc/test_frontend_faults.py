@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from frontend_svc.engines import router
 from frontend_svc.engines.endpoint import EngineEndpoint
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.server.app import build_server
@@ -41,6 +42,24 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
         await asyncio.sleep(0.02)
 
 
+async def wait_num_healthy(
+    stub: frontend_pb2_grpc.GenerationServiceStub, expected: int, timeout_s: float = 10.0
+) -> None:
+    """Waits until the frontend itself (GetModelInfo) counts `expected` healthy engines: an
+    engine's health change reaches it through a watch, some time after the engine's."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        if info.num_healthy_engines == expected:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"after {timeout_s} s the frontend counts {info.num_healthy_engines} healthy "
+                f"engines, not {expected}"
+            )
+        await asyncio.sleep(0.02)
+
+
 @asynccontextmanager
 async def frontend_for(
     engines: list[FakeEngine], tokenizer: Tokenizer, max_waiting: int = 100, num_serving: int = -1
@@ -58,7 +77,7 @@ async def frontend_for(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield frontend_pb2_grpc.GenerationServiceStub(channel)
         # However requests ended, none is still counted as waiting (admission would leak).
-        await wait_for(lambda: pool.num_unanswered == 0, timeout_s=2.0)
+        await wait_for(lambda: pool.num_unanswered == 0)
     finally:
         await server.stop(grace=None)
         await pool.close()
@@ -75,8 +94,12 @@ def tokens(tokenizer: Tokenizer) -> list[int]:
 
 
 def test_an_engine_failing_before_the_first_token_is_retried_on_another(
-    tokenizer: Tokenizer, tokens: list[int]
+    tokenizer: Tokenizer, tokens: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The failed engine stays out for the whole test, however long its requests take (by
+    # default it comes back after a couple of seconds, and a slow run would try it again).
+    monkeypatch.setattr(router, "SUSPEND_AFTER_FAILURE_S", 3600.0)
+
     async def body() -> None:
         bad = await FakeEngine(tokens, "fail_before").start()
         good = await FakeEngine(tokens).start()
@@ -122,12 +145,12 @@ def test_no_healthy_engine_is_unavailable(tokenizer: Tokenizer, tokens: list[int
         engine = await FakeEngine(tokens).start()
         async with frontend_for([engine], tokenizer) as stub:
             await engine.set_serving(False)
-            await asyncio.sleep(0.5)  # the frontend's health watch sees it
+            await wait_num_healthy(stub, 0)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Generate(request(), timeout=10)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             await engine.set_serving(True)
-            await asyncio.sleep(0.5)
+            await wait_num_healthy(stub, 1)
             assert (await stub.Generate(request(), timeout=10)).choices[0].text
         await engine.stop()
 
@@ -172,14 +195,15 @@ def test_a_stop_string_cancels_the_engine_call_at_once(
     tokenizer: Tokenizer, tokens: list[int]
 ) -> None:
     async def body() -> None:
-        engine = await FakeEngine(tokens, interval_s=0.01).start()
+        # Each stream stops short of max_tokens and holds: only the frontend's cancel ends it.
+        engine = await FakeEngine(tokens, hold_after=10).start()
         async with frontend_for([engine], tokenizer) as stub:
             stop_request = request(max_tokens=200, stop=["ee fo"], n=2)
             response = await stub.Generate(stop_request, timeout=10)
             assert [c.text for c in response.choices] == [" one two thr"] * 2
             assert [c.stop_string for c in response.choices] == ["ee fo"] * 2
             assert [len(c.token_ids) for c in response.choices] == [4, 4]
-            await wait_for(lambda: len(engine.cancelled) == 2, timeout_s=2.0)
+            await wait_for(lambda: len(engine.cancelled) == 2)
         await engine.stop()
 
     run(body)
@@ -189,13 +213,14 @@ def test_a_client_cancelling_mid_stream_cancels_the_engine_call(
     tokenizer: Tokenizer, tokens: list[int]
 ) -> None:
     async def body() -> None:
-        engine = await FakeEngine(tokens, interval_s=0.02).start()
+        # The stream holds after a few tokens: it is mid-stream whenever the client cancels.
+        engine = await FakeEngine(tokens, hold_after=3).start()
         async with frontend_for([engine], tokenizer) as stub:
             call = stub.GenerateStream(request(max_tokens=200))
-            for _ in range(3):
-                await call.read()
+            first = await call.read()
+            assert isinstance(first, pb.GenerateResponse) and first.choices[0].token_ids
             call.cancel()
-            await wait_for(lambda: len(engine.cancelled) == 1, timeout_s=2.0)
+            await wait_for(lambda: len(engine.cancelled) == 1)
         await engine.stop()
 
     run(body)
