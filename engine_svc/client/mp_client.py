@@ -91,6 +91,13 @@ class SyncMPClient:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call_utility(UtilityMethod.RESET_PREFIX_CACHE))
 
+    def pause(self) -> None:
+        """Returns once the engine has stopped scheduling; it still takes requests and aborts."""
+        self._call_utility(UtilityMethod.PAUSE)
+
+    def resume(self) -> None:
+        self._call_utility(UtilityMethod.RESUME)
+
     def get_load(self) -> RankLoad:
         value = self._call_utility(UtilityMethod.GET_LOAD)
         if not isinstance(value, RankLoad):

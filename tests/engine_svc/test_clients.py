@@ -82,19 +82,23 @@ def test_abort_and_utility_calls(client: SyncMPClient) -> None:
     client.add_request(_request("long", [7, 8], 500))
     first = client.get_output()
     assert first.outputs[0].request_id == "long"
-    assert client.get_load().num_running == 1
-    assert client.reset_prefix_cache() is False  # refused while blocks are in use
-    client.abort_requests(["long", "unknown"])
-    outputs = [
-        o
-        for _ in range(50)
-        if client.has_unfinished_requests()
-        for o in client.get_output().outputs
-    ]
-    assert outputs[-1].finish_reason == FinishReason.ABORT
-    load = client.get_load()
-    assert (load.num_running, load.num_free_kv_blocks) == (0, 256)
-    assert client.reset_prefix_cache() is True
+    client.pause()  # mid-flight from here on, however slowly this test runs
+    try:
+        assert client.get_load().num_running == 1
+        assert client.reset_prefix_cache() is False  # refused while blocks are in use
+        client.abort_requests(["long", "unknown"])  # a paused engine still takes aborts
+        outputs = [*first.outputs]
+        for _ in range(50):
+            if not client.has_unfinished_requests():
+                break
+            outputs += client.get_output().outputs
+        assert outputs[-1].finish_reason == FinishReason.ABORT
+        assert sum(len(o.new_token_ids) for o in outputs) < 500
+        load = client.get_load()
+        assert (load.num_running, load.num_free_kv_blocks) == (0, 256)
+        assert client.reset_prefix_cache() is True
+    finally:
+        client.resume()
 
 
 def test_the_idle_busy_loop_sleeps_instead_of_spinning(client: SyncMPClient) -> None:

@@ -106,6 +106,8 @@ def _assert_fails_fast_and_exits_nonzero(
     results, triggered_at = run_async(body)
     assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE] * num_streams
     if trigger is not None:
+        # The README's promise: UNAVAILABLE within 2 s of the failure. It takes 0.04-0.05 s
+        # here, quiet or beside two busy loops: 2 s leaves a starved machine 40x that.
         assert max(r.ended_at or 0 for r in results) - triggered_at < 2.0
     assert service.health() == NOT_SERVING
     assert service.wait_exit(timeout_s=20) != 0
@@ -223,7 +225,11 @@ def test_data_parallel_2_spreads_20_requests_over_both_ranks(
             return results, in_engines
 
     results, in_engines = run_async(body)
-    assert in_engines > 0  # (20 x 900 tokens cannot all be done by the first token of each)
+    # Some request was still in the engines, so the cancels above had aborts to make. Each
+    # of the 20 needs 900 steps of its rank to finish, and every one got its first token in
+    # its rank's first step: all of them could be done only if this client took as long as
+    # 900 steps to read 20 first messages. The one bound left here, and a generous one.
+    assert in_engines > 0
     received = [r.token_ids for r in results]
     assert all(0 < len(tokens) <= 900 for tokens in received)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=256)
