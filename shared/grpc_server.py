@@ -1,4 +1,5 @@
-"""What every grpc.aio server here has: message limits, no port sharing, health, reflection."""
+"""What every grpc.aio server here has: message limits, no port sharing, health, reflection,
+and INVALID_ARGUMENT for requests that do not parse."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.grpc_request_decoding import RequestDecodeInterceptor
 from shared.grpc_tls import ServerTLS
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
@@ -24,9 +26,10 @@ def build_grpc_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A server with the services `register` adds, bound but not started, and its health
     servicer (NOT_SERVING until told). Reflection lists `service_names` and health. With
-    `tls`, the port serves TLS only."""
+    `tls`, the port serves TLS only. `interceptors` run outside the one that refuses
+    undecodable requests, so they see those calls end with INVALID_ARGUMENT."""
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=[*interceptors, RequestDecodeInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

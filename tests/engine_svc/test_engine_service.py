@@ -1,6 +1,7 @@
 """engine.v1.EngineCoreService against one running service (tiny model, started once):
 streams match the in-process engine, cancellation frees everything within a second, bad
-input is INVALID_ARGUMENT naming the field, and the utility RPCs answer."""
+input is INVALID_ARGUMENT naming the field (or, for bytes that do not parse, such as a string
+field that is not UTF-8, the request type), and the utility RPCs answer."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
+from tests.raw_requests import send_raw, with_raw_string
 from tests.service_processes import (
     SERVING,
     ServiceProcess,
@@ -146,6 +149,51 @@ def test_bad_input_is_invalid_argument_naming_the_field(
         # The engine keeps serving.
         good = list(engine_stub(channel).Generate(generate_request("", [5, 6], 2), timeout=30))
         assert sum(len(r.token_ids) for r in good) == 2
+
+
+GOOD = generate_request("", [5, 6], 2)
+# (method, whether it streams, the request it carries, a string field of that request)
+STRING_FIELDS = [
+    ("/engine.v1.EngineCoreService/Generate", True, GOOD, ("request_id",)),
+    ("/engine.v1.EngineCoreService/Generate", True, GOOD, ("sampling_params", "json_schema")),
+    ("/engine.v1.EngineCoreService/Generate", True, GOOD, ("sampling_params", "regex")),
+    ("/engine.v1.EngineCoreService/Generate", True, GOOD, ("sampling_params", "choice", "choices")),
+    ("/engine.v1.EngineCoreService/Abort", False, pb.AbortRequest(), ("request_ids",)),
+    ("/vllm.grpc.engine.VllmEngine/Generate", True, vpb.GenerateRequest(), ("request_id",)),
+]
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b"\xed\xa0\x80"], ids=["0xFF", "lone-surrogate"])
+@pytest.mark.parametrize(
+    ("method", "streaming", "request_message", "path"),
+    STRING_FIELDS,
+    ids=[f"{m.rpartition('/')[2]}:{'.'.join(p)}" for m, _, _, p in STRING_FIELDS],
+)
+def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_the_type(
+    service: ServiceProcess,
+    method: str,
+    streaming: bool,
+    request_message: Any,
+    path: tuple[str, ...],
+    raw: bytes,
+) -> None:
+    """A client in another language can send any bytes in a string field; Python's protobuf
+    cannot parse them, and the service says so instead of answering UNKNOWN."""
+    type_name = request_message.DESCRIPTOR.full_name
+    refused = {"grpc_method": method.rpartition("/")[2], "grpc_code": "InvalidArgument"}
+    refused_before = service.metric_total("grpc_server_handled_total", **refused)
+    with grpc.insecure_channel(service.address) as channel:
+        sent = with_raw_string(request_message, path, raw)
+        error = _rpc_error(lambda: send_raw(channel, method, sent, streaming, timeout_s=30))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+        assert error.details() == (
+            f"request is not a valid {type_name}: a string field is not valid UTF-8"
+        )
+        # Counted like any refusal, and the engine keeps serving.
+        assert service.metric_total("grpc_server_handled_total", **refused) == refused_before + 1
+        good = list(engine_stub(channel).Generate(GOOD, timeout=30))
+        assert sum(len(r.token_ids) for r in good) == 2
+    assert service.process.poll() is None
 
 
 def test_a_request_id_already_in_flight_is_refused(service: ServiceProcess) -> None:

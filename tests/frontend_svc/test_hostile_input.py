@@ -1,9 +1,11 @@
 """Hostile input against both services, as subprocesses with the tiny model: property-based
 requests (hypothesis, derandomized so every run sends the same ones) with NaN, infinite,
 negative and huge numbers, unknown and huge token ids, empty and huge prompts, thousands of
-stop strings, deep and enormous JSON schemas and catastrophic regexes. Every answer is a
-result, INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a message: never INTERNAL, never a dead
-process or a stuck engine; afterwards a greedy request gives the same text as before."""
+stop strings, deep and enormous JSON schemas and catastrophic regexes, and string fields
+that are not UTF-8 (lone surrogates, 0xFF), sent as raw bytes. Every answer is a result,
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a message (INVALID_ARGUMENT naming the request
+type for bytes that do not parse): never INTERNAL or UNKNOWN, never a dead process or a stuck
+engine; afterwards a greedy request gives the same text as before."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from shared.frontend_protos import frontend_pb2_grpc
 from shared.protos import engine_pb2 as epb
 from shared.protos import engine_pb2_grpc
 from tests.frontend_svc.frontend_helpers import greedy
+from tests.raw_requests import INVALID_UTF8, send_raw, with_raw_string
 from tests.service_processes import FrontendProcess, ServiceProcess, wait_all_serving
 
 ACCEPTABLE = {
@@ -254,6 +257,61 @@ def test_ten_megabyte_prompts_are_refused_with_the_field_named(services: Service
                 stub.Generate(request, timeout=CALL_TIMEOUT_S)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "prompt" in (caught.value.details() or "")
+
+
+FRONTEND_SERVICE = "/frontend.v1.GenerationService/"
+# (method, whether it streams, the request it carries, a string field of that request)
+FRONTEND_STRING_FIELDS = [
+    ("Generate", False, REFERENCE, ("request_id",)),
+    ("Generate", False, REFERENCE, ("prompt",)),
+    ("Generate", False, REFERENCE, ("messages", "content")),
+    ("Generate", False, REFERENCE, ("messages", "role")),
+    ("Generate", False, REFERENCE, ("sampling_params", "stop")),
+    ("GenerateStream", True, REFERENCE, ("sampling_params", "json_schema")),
+    ("GenerateStream", True, REFERENCE, ("sampling_params", "regex")),
+    ("GenerateStream", True, REFERENCE, ("sampling_params", "choice", "choices")),
+    ("Tokenize", False, fpb.TokenizeRequest(text="x"), ("text",)),
+]
+
+
+def _refused_as_undecodable(
+    service: ServiceProcess, method: str, streaming: bool, raw: bytes, type_name: str
+) -> None:
+    with service.channel() as channel, pytest.raises(grpc.RpcError) as caught:
+        send_raw(channel, method, raw, streaming, CALL_TIMEOUT_S)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    assert (
+        error.details() == f"request is not a valid {type_name}: a string field is not valid UTF-8"
+    )
+
+
+@settings(SETTINGS, max_examples=12)
+@given(target=st.sampled_from(FRONTEND_STRING_FIELDS), raw=INVALID_UTF8)
+def test_a_string_field_that_is_not_utf8_is_invalid_argument(
+    services: Services,
+    target: tuple[str, bool, fpb.GenerateRequest | fpb.TokenizeRequest, tuple[str, ...]],
+    raw: bytes,
+) -> None:
+    method, streaming, request, path = target
+    sent = with_raw_string(request, path, raw)
+    type_name = request.DESCRIPTOR.full_name
+    _refused_as_undecodable(
+        services.frontend, FRONTEND_SERVICE + method, streaming, sent, type_name
+    )
+    assert services.frontend.process.poll() is None and services.engine.process.poll() is None
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b"\xed\xa0\x80"], ids=["0xFF", "lone-surrogate"])
+def test_a_prompt_that_is_not_utf8_is_refused_and_the_next_request_served(
+    services: Services, raw: bytes
+) -> None:
+    request = with_raw_string(REFERENCE, ("prompt",), raw)
+    method = FRONTEND_SERVICE + "Generate"
+    _refused_as_undecodable(
+        services.frontend, method, False, request, "frontend.v1.GenerateRequest"
+    )
+    assert _reference_text(services.frontend) == services.reference
 
 
 def test_after_all_that_the_same_greedy_text(services: Services) -> None:
