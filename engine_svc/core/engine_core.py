@@ -234,8 +234,12 @@ class EngineCore:
         return result
 
     def _flush_freed_requests(self) -> None:
-        """Going idle: tell the runner which requests ended, so it holds no stale state."""
-        if self.scheduler.has_freed_requests and not self.batch_queue:
+        """Going idle: tell the runner which requests ended, so it holds no stale state.
+        Only with no request left: the step runs whatever schedule() gives, and a paused
+        engine's requests would be scheduled by it, run, and their tokens dropped (the next
+        real step tells the runner of the freed ones anyway)."""
+        idle = not self.scheduler.has_requests() and not self.batch_queue
+        if idle and self.scheduler.has_freed_requests:
             self.executor.execute_model(self.scheduler.schedule()).result()
 
     def overlap_forward(self, scheduler_output: SchedulerOutput) -> None:

@@ -1,7 +1,7 @@
 """EngineCore stepped with a fake executor (tests/engine_svc/fake_executor.py): no model, and
 every event at a point the test chooses. An abort that arrives during a forward, the batch
 queue's fill-then-collect order, the KV cache sized for the tightest worker, a failing worker,
-and the pause before retrying when nothing could be launched."""
+the pause before retrying when nothing could be launched, and an abort while paused."""
 
 from __future__ import annotations
 
@@ -147,3 +147,42 @@ def test_shutdown_reaches_the_executor(tiny_model_dir: Path) -> None:
     core = _core(tiny_model_dir, executor)
     core.shutdown()
     assert executor.shut_down
+
+
+@pytest.mark.parametrize("max_concurrent_batches", [1, 2])
+def test_an_abort_while_paused_leaves_the_other_requests_to_go_on(
+    tiny_model_dir: Path, max_concurrent_batches: int
+) -> None:
+    """Paused, the engine takes an abort in and runs no forward; resumed, the request left
+    gets every token it asked for (a paused step once ran the others and dropped their
+    tokens, and they never got another)."""
+    executor = FakeExecutor(BLOCK_SIZE, max_concurrent_batches=max_concurrent_batches)
+    core = _core(tiny_model_dir, executor)
+    _add(core, "kept", [1, 2, 3], 6)
+    _add(core, "aborted", [4, 5, 6], 6)
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> bool:
+        outputs, ran = core.step_fn()
+        for output in outputs.outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        return ran
+
+    while len(tokens.get("kept", [])) < 2:
+        step()
+    core.pause()
+    while core.batch_queue:  # batches launched before the pause still come back
+        step()
+    core.abort_requests(["aborted"])
+    launched = len(executor.events)
+    outputs, ran = core.step_fn()
+    assert not ran and len(executor.events) == launched  # paused: no forward at all
+    assert [(o.request_id, o.finish_reason) for o in outputs.outputs] == [
+        ("aborted", FinishReason.ABORT)
+    ]
+    core.resume()
+    finished = _run(core)
+    kept = tokens["kept"] + finished["kept"].new_token_ids
+    assert kept == expected_tokens([1, 2, 3], 6)
+    assert finished["kept"].finish_reason == FinishReason.LENGTH
+    assert _all_blocks_free(core)
