@@ -3,8 +3,9 @@
 The test clients turn off HTTP/2's window growth (grpc.http2.bdp_probe = 0), so the frontend
 can hand a client at most 64 KB it has not read; the requests below stream several times that
 (4 choices with 20 logprobs each). A slow reader must not hold back anyone else, and what the
-frontend could not write yet is merged into fewer, larger responses; a reader that takes
-nothing for --stream-write-timeout seconds is dropped with RESOURCE_EXHAUSTED."""
+frontend could not write yet is merged into fewer, larger responses (the frontend's memory
+meanwhile within a fixed bound); a reader that takes nothing for --stream-write-timeout seconds
+is dropped with RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
@@ -18,11 +19,25 @@ import pytest
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
 from tests.frontend_svc.frontend_helpers import greedy
-from tests.service_processes import FrontendProcess, ServiceProcess, wait_all_serving
+from tests.service_processes import (
+    FrontendProcess,
+    ServiceProcess,
+    tree_rss_bytes,
+    wait_all_serving,
+)
 
 NUM_CHOICES = 4
 NUM_TOKENS = 300  # x 4 choices x 20 logprobs: about 200 KB of responses, over the 64 KB window
 WAIT_S = 60.0  # generous bound on conditions the services reach in well under a second
+# What the frontend's resident memory may grow by while a slow reader's whole stream waits in
+# it (measured once the engine has handed over every token). The stream itself is about 200 KB
+# on the wire (a few MB as Python objects): the bound is far above that and the allocator's
+# noise, yet below what the frontend would need if it kept a copy of everything pending for
+# each engine step (a snapshot per step: about 300**2 / 2 x 4 tokens with 20 logprobs each,
+# hundreds of MB). It cannot tell merged from separate deltas: the frontend queues the engine's
+# outputs one by one until the writer takes them, and merges them then. The figures print
+# with `pytest -s`.
+MAX_PENDING_GROWTH_BYTES = 64 << 20
 
 
 @pytest.fixture
@@ -77,6 +92,10 @@ def _choices(responses: list[fpb.GenerateResponse]) -> dict[int, tuple[list[int]
 def test_a_slow_reader_holds_back_no_one_and_gets_its_tokens_merged(start: Callable) -> None:
     engine, frontend = start(600.0)
     stub = _small_window_stub(frontend)
+    # A first call: lazy imports and caches are in the frontend's memory before it is measured.
+    warm = list(stub.GenerateStream(_heavy_request("warm", 8), timeout=WAIT_S))
+    assert all(len(ids) == 8 for ids, _ in _choices(warm).values())
+    before = tree_rss_bytes(frontend.process.pid)
     slow = stub.GenerateStream(_heavy_request("slow"), timeout=WAIT_S * 4)  # not read yet
 
     # Another request runs to its end while the slow stream sits unread.
@@ -84,7 +103,22 @@ def test_a_slow_reader_holds_back_no_one_and_gets_its_tokens_merged(start: Calla
     assert all(len(ids) == 32 for ids, _ in _choices(fast).values())
     # The engine finished the slow request too: it is not held back by its reader.
     _wait_until(lambda: engine.num_requests() == 0, "the engine idle")
-    assert engine.generation_tokens_total() == NUM_CHOICES * (NUM_TOKENS + 32)
+    assert engine.generation_tokens_total() == NUM_CHOICES * (8 + NUM_TOKENS + 32)
+    # Every engine call has ended (one per choice of the three requests): the engine service
+    # wrote the slow stream's last output, and all of it waits in the frontend now.
+    _wait_until(
+        lambda: (
+            engine.metric_total("grpc_server_handled_total", grpc_method="Generate")
+            == 3 * NUM_CHOICES
+        ),
+        "the engine service done with every call",
+    )
+    pending = tree_rss_bytes(frontend.process.pid)
+    growth = pending - before
+    print(f"frontend resident memory: {before >> 20} MiB before, {pending >> 20} MiB with a "
+          f"slow reader's {NUM_CHOICES} x {NUM_TOKENS} tokens pending "
+          f"({growth / (1 << 20):+.1f} MiB)")  # fmt: skip
+    assert growth < MAX_PENDING_GROWTH_BYTES, (before, pending)
 
     responses = list(slow)
     choices = _choices(responses)
