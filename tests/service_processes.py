@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
@@ -170,21 +171,60 @@ class ServiceProcess:
         finally:
             self.resume()
 
-    def tokens_of_a_request_ended_while_paused(
-        self, end: Callable[[], bool], attempts: int = 3
-    ) -> int:
+    def tokens_of_a_request_ended_while_paused(self, end: Callable[[], object]) -> int:
         """The tokens this engine generated (its own count) for a request that `end` ends
-        while the engine is paused (a cancel, an abort, a client gone): `end()` starts the
-        request, and once it streams, ends it inside `paused()` and returns what that
-        yielded. A paused engine adds no token, so the count cannot run on to the request's
-        end before the abort arrives, however loaded the machine. A request already done
-        when the engine paused (the tiny model is quick) shows nothing and is tried again,
-        `attempts` times at most."""
-        for _ in range(attempts):
-            before = self.settled_generation_tokens()
-            if end():
-                return self.settled_generation_tokens() - before
-        raise AssertionError(f"the request was done before the engine paused, {attempts} times")
+        (a cancel, an abort, a client gone) with the engine paused: `end()` pauses it, sends
+        the request, lets it run step by step (step_until) until the client has what it
+        waits for, ends the request, and resumes once the engine is idle. A paused engine
+        adds no token, so the count cannot run on to the request's end before the abort
+        arrives, however loaded the machine."""
+        before = self.settled_generation_tokens()
+        end()
+        return self.settled_generation_tokens() - before
+
+    def step_until(self, condition: Callable[[], bool], max_steps: int = 300) -> int:
+        """With generation paused: lets the engine run a step at a time (resume until its
+        own token count moves, pause again) until `condition()` holds, checked before each
+        step; returns the steps taken. A condition that waits a little for what a step
+        produced to reach the client (an event's wait) spares extra steps."""
+        for step in range(max_steps):
+            if condition():
+                return step
+            self._one_step()
+        raise AssertionError(f"not there after {max_steps} engine steps")
+
+    def step_while(self, read: Callable[[], object]) -> None:
+        """With generation paused and a request sent: runs `read` (a client call that
+        blocks until it has the stream's first messages) in a thread, and lets the engine
+        run a step at a time until it returns."""
+        done = threading.Event()
+        failures: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                read()
+            except BaseException as error:
+                failures.append(error)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=reader, name="stream reader", daemon=True)
+        thread.start()
+        self.step_until(lambda: done.wait(0.2))
+        thread.join(timeout=30)
+        if failures:
+            raise failures[0]
+
+    def _one_step(self) -> None:
+        before = self.generation_tokens_total()
+        self.resume()
+        try:
+            deadline = time.monotonic() + 30.0
+            while self.generation_tokens_total() == before and self.num_requests() > 0:
+                assert time.monotonic() < deadline, "resumed, the engine made no token"
+                time.sleep(0.002)
+        finally:
+            self.pause()
 
     def generate_in_steps_until_idle(self, max_steps: int = 300, wait_s: float = 0.2) -> int:
         """With generation paused and a request inside that something outside the engine
@@ -194,19 +234,7 @@ class ServiceProcess:
         each step for the end to arrive (an abort reaches a paused engine), until the engine
         holds no request. Returns the steps taken. How far the request gets then depends on
         the steps its end took, not on how fast the machine generates meanwhile."""
-        for step in range(max_steps):
-            if self._idle_within(wait_s):
-                return step
-            before = self.generation_tokens_total()
-            self.resume()
-            try:
-                deadline = time.monotonic() + 30.0
-                while self.generation_tokens_total() == before and self.num_requests() > 0:
-                    assert time.monotonic() < deadline, "resumed, the engine made no token"
-                    time.sleep(0.002)
-            finally:
-                self.pause()
-        raise AssertionError(f"the engine still had requests after {max_steps} steps")
+        return self.step_until(lambda: self._idle_within(wait_s), max_steps)
 
     def settled_generation_tokens(self, timeout_s: float = 30.0) -> int:
         """generation_tokens_total once the engine is idle and the count has stopped moving

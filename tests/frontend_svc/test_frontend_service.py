@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,7 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
 
     engine = services.engine
 
-    async def stopped() -> bool:
+    async def stopped() -> None:
         # The request arrives at a paused engine, which then generates a few tokens at a
         # time until the frontend, seeing the stop string, has aborted it.
         await asyncio.to_thread(engine.pause)
@@ -191,7 +192,6 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
         finally:
             await asyncio.to_thread(engine.resume)
         choices.append(response.choices[0])
-        return True
 
     generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(stopped))
     choice = choices[-1]
@@ -204,24 +204,25 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
 def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> None:
     engine = services.engine
 
-    async def cancelled() -> bool:
-        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
-            request = pb.GenerateRequest(
-                prompt="Cancel me", sampling_params=greedy(LONG_REQUEST_TOKENS, ignore_eos=True)
-            )
-            call = frontend_stub(channel).GenerateStream(request)
-            deadline = asyncio.get_running_loop().time() + 30
-            while await asyncio.to_thread(engine.num_requests) == 0:
-                assert asyncio.get_running_loop().time() < deadline, "never reached the engine"
-                await asyncio.sleep(0.01)
-            # Paused, the engine cannot finish the request before the cancel reaches it.
-            in_engine = await asyncio.to_thread(engine.pause)
-            call.cancel()
-            try:
+    async def cancelled() -> None:
+        # Paused, the engine runs the request only the steps it is given: it is mid-stream
+        # when the cancel reaches it, however slowly this test runs.
+        await asyncio.to_thread(engine.pause)
+        try:
+            async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+                request = pb.GenerateRequest(
+                    prompt="Cancel me", sampling_params=greedy(LONG_REQUEST_TOKENS, ignore_eos=True)
+                )
+                call = frontend_stub(channel).GenerateStream(request)
+                first = asyncio.ensure_future(call.read())
+                got_first = threading.Event()
+                first.add_done_callback(lambda _: got_first.set())
+                await asyncio.to_thread(engine.step_until, lambda: got_first.wait(0.2))
+                assert (await first).choices[0].token_ids
+                call.cancel()
                 await asyncio.to_thread(engine.wait_idle, 30.0)
-            finally:
-                await asyncio.to_thread(engine.resume)
-        return in_engine
+        finally:
+            await asyncio.to_thread(engine.resume)
 
     generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(cancelled))
     assert generated < LONG_REQUEST_TOKENS, "the engine did not abort the cancelled request"

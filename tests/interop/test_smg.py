@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from openai import OpenAI
-from openai.types.chat import ChatCompletionUserMessageParam
+from openai import OpenAI, Stream
+from openai.types.chat import ChatCompletionChunk, ChatCompletionUserMessageParam
 
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
@@ -74,7 +74,10 @@ def test_streamed_chat_completion(
 def test_client_disconnect_aborts_the_engine_request(
     openai_client: OpenAI, engine: ServiceProcess, model_name: str
 ) -> None:
-    def disconnect_mid_stream() -> bool:
+    streams: list[Stream[ChatCompletionChunk]] = []
+
+    def open_and_read() -> None:
+        # smg answers the call once the engine has a first token: opened in the reader too.
         stream = openai_client.chat.completions.create(
             model=model_name,
             messages=MESSAGES,
@@ -82,14 +85,16 @@ def test_client_disconnect_aborts_the_engine_request(
             stream=True,
             extra_body={"ignore_eos": True},
         )
+        streams.append(stream)
         assert len(list(itertools.islice(stream, 3))) == 3
-        with engine.paused() as in_engine:
-            stream.close()  # the client goes away mid-stream
+
+    def disconnect_mid_stream() -> None:
+        with engine.paused():  # the request runs only the steps it is given
+            engine.step_while(open_and_read)
+            streams[0].close()  # the client goes away mid-stream
             # smg notices a closed connection when it next writes: the engine generates a
             # few tokens at a time until smg's abort has reached it.
-            if in_engine:
-                engine.generate_in_steps_until_idle()
-        return in_engine
+            engine.generate_in_steps_until_idle()
 
     # The engine's own count: it aborted the request before the 900 tokens it asked for.
     generated = engine.tokens_of_a_request_ended_while_paused(disconnect_mid_stream)

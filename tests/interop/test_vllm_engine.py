@@ -68,16 +68,16 @@ def test_abort_ends_the_stream_as_aborted(
 ) -> None:
     lasts: list[vpb.GenerateResponse] = []
 
-    def abort_after_first_chunk() -> bool:
-        request_id = f"to-abort-{len(lasts)}"
-        responses = stub.Generate(
-            generate_request(request_id, 900, True, ignore_eos=True), timeout=60
-        )
-        assert next(responses).WhichOneof("response") == "chunk"
-        with engine.paused() as in_engine:
-            stub.Abort(vpb.AbortRequest(request_ids=[request_id]), timeout=5)
-        lasts.append(list(responses)[-1])
-        return in_engine
+    def abort_after_first_chunk() -> None:
+        with engine.paused():  # the request runs only the steps it is given
+            responses = stub.Generate(
+                generate_request("to-abort", 900, True, ignore_eos=True), timeout=60
+            )
+            first: list[vpb.GenerateResponse] = []
+            engine.step_while(lambda: first.append(next(responses)))
+            assert first[0].WhichOneof("response") == "chunk"
+            stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=5)
+            lasts.append(list(responses)[-1])  # a paused engine still takes aborts
 
     generated = engine.tokens_of_a_request_ended_while_paused(abort_after_first_chunk)
     last = lasts[-1]
@@ -88,12 +88,13 @@ def test_abort_ends_the_stream_as_aborted(
 def test_cancelling_the_call_aborts_the_request(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:
-    def cancel_after_first_chunk() -> bool:
-        call = stub.Generate(generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60)
-        next(call)
-        with engine.paused() as in_engine:
+    def cancel_after_first_chunk() -> None:
+        with engine.paused():  # left once the engine holds no request
+            call = stub.Generate(
+                generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60
+            )
+            engine.step_while(lambda: next(call))
             call.cancel()
-        return in_engine
 
     # The engine's own count: it aborted the request before the 900 tokens it asked for.
     generated = engine.tokens_of_a_request_ended_while_paused(cancel_after_first_chunk)
