@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 from frontend_svc.choice import ChoiceState
 from frontend_svc.detokenizer import Decoder
-from frontend_svc.engines.router import EngineRouter
+from frontend_svc.engines.router import EngineCallStop, EngineRouter
 from frontend_svc.messages import (
     ChoiceDelta,
     EngineOutput,
@@ -48,6 +48,7 @@ class Generation:
         ]
         self.queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self.pumps: list[asyncio.Task[None]] = []
+        self.stops = [EngineCallStop() for _ in self.choices]
         self.unanswered: set[int] = set()  # choices admitted that have no engine output yet
 
     @property
@@ -90,14 +91,15 @@ class Generation:
         finally:
             pool.answered(len(self.unanswered))
             self.unanswered.clear()
-            # Cancelling a pump cancels its engine call, which aborts the engine request.
-            for pump in self.pumps:
-                pump.cancel()
+            # Cancelling an engine call aborts the engine request.
+            for index in range(len(self.pumps)):
+                self._stop(index)
             await asyncio.gather(*self.pumps, return_exceptions=True)
 
     async def _pump(self, index: int, request: EngineRequest, deadline: float | None) -> None:
         try:
-            async with contextlib.aclosing(self.router.generate(request, deadline)) as outputs:
+            outputs = self.router.generate(request, deadline, self.stops[index])
+            async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     self.queue.put_nowait((index, output))
         except Exception as error:
@@ -117,7 +119,14 @@ class Generation:
         if item is None:
             raise EngineDeadError("the engine ended a request without a finish reason")
         if choice.add(item):
-            self.pumps[index].cancel()  # a stop string matched: abort the engine request now
+            self._stop(index)  # a stop string matched: abort the engine request now
+
+    def _stop(self, index: int) -> None:
+        """Ends choice `index`'s engine call: the call itself cancelled, so the pump ends on
+        its own (EngineCallStop says why), or the pump cancelled where no call is in flight."""
+        pump = self.pumps[index]
+        if not pump.done() and not self.stops[index].request():
+            pump.cancel()
 
 
 async def collect(updates: AsyncGenerator[GenerationUpdate, None]) -> GenerationUpdate:

@@ -4,10 +4,12 @@ whenever the caller stops listening."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import grpc
 
@@ -28,17 +30,40 @@ class EngineRequestFailed(Exception):
     """The engine ended the request with FINISH_REASON_ERROR."""
 
 
+class EngineCallStop:
+    """Ends a choice's engine call early (a stop string matched, the client went away) by
+    cancelling the call itself, so that its pending read ends on its own and the generator
+    returns. Cancelling the task awaiting that read instead leaks grpcio's read batch and
+    the buffers it holds, several KB a call (grpc/grpc#43360): the frontend's memory grew
+    with every stop string and every cancelled stream."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.call: grpc.aio.UnaryStreamCall[Any, Any] | None = None  # the call in flight
+
+    def request(self) -> bool:
+        """True when a call was in flight and is now cancelled; False when there is none to
+        cancel (not started yet, or between tries): the caller cancels the task then."""
+        self.requested = True
+        if self.call is None:
+            return False
+        self.call.cancel()
+        return True
+
+
 class EngineRouter:
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
     async def generate(
-        self, request: EngineRequest, deadline: float | None
+        self, request: EngineRequest, deadline: float | None, stop: EngineCallStop | None = None
     ) -> AsyncGenerator[EngineOutput, None]:
-        """The engine's outputs for `request`. `deadline` is on time.monotonic()'s clock."""
+        """The engine's outputs for `request`. `deadline` is on time.monotonic()'s clock.
+        Once `stop` is requested, the outputs end (and no other engine is tried)."""
+        stop = stop or EngineCallStop()
         tried: list[str] = []
         last_failure: Exception | None = None
-        while True:
+        while not stop.requested:
             try:
                 endpoint = self.pool.pick(exclude=tried)
             except EngineUnavailableError:
@@ -46,7 +71,8 @@ class EngineRouter:
             tried.append(endpoint.address)
             has_output = False
             try:
-                async with contextlib.aclosing(self._call(endpoint, request, deadline)) as outputs:
+                calls = self._call(endpoint, request, deadline, stop)
+                async with contextlib.aclosing(calls) as outputs:
                     async for output in outputs:
                         has_output = True
                         yield output
@@ -62,20 +88,37 @@ class EngineRouter:
             last_failure = failure.error
 
     async def _call(
-        self, endpoint: EngineEndpoint, request: EngineRequest, deadline: float | None
+        self,
+        endpoint: EngineEndpoint,
+        request: EngineRequest,
+        deadline: float | None,
+        stop: EngineCallStop,
     ) -> AsyncGenerator[EngineOutput, None]:
         timeout = _time_left(deadline)
         with endpoint.track_call():
             call = endpoint.stub.Generate(to_generate_request(request), timeout=timeout)
+            stop.call = call
             try:
                 async for response in call:
                     output = to_engine_output(response)
                     if output.finish_reason == FinishReason.ERROR:
                         raise EngineRequestFailed(output.error or "the engine failed the request")
                     yield output
+            except asyncio.CancelledError:
+                # grpc.aio raises this from a read of a call cancelled locally: when the stop
+                # did it (and this task is not being cancelled), the call ended as asked.
+                if stop.requested and call.cancelled() and not _task_cancelling():
+                    return
+                raise
             finally:
+                stop.call = None
                 # A no-op after the last message; otherwise the engine aborts the request.
                 call.cancel()
+
+
+def _task_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _time_left(deadline: float | None) -> float | None:
