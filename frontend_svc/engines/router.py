@@ -106,10 +106,15 @@ class EngineRouter:
                     yield output
             except asyncio.CancelledError:
                 # grpc.aio raises this from a read of a call cancelled locally: when the stop
-                # did it (and this task is not being cancelled), the call ended as asked.
-                if stop.requested and call.cancelled() and not _task_cancelling():
+                # did it (and this task is not being cancelled), the call ended as asked;
+                # when the channel did (closed under it after its grace: an address gone
+                # from DNS, rotated TLS files), the engine call failed, like a dropped one.
+                if _task_cancelling() or not call.cancelled():
+                    raise
+                if stop.requested:
                     return
-                raise
+                closed = "the channel to the engine closed under the call"
+                raise EngineRequestFailed(closed) from None
             finally:
                 stop.call = None
                 # A no-op after the last message; otherwise the engine aborts the request.
