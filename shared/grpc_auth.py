@@ -41,17 +41,24 @@ class TokenFile:
         self.path = path
         self._tokens = _read_tokens(path)
         self._stamp = _stamp(path)
+        self._missing: OSError | None = None
 
     def tokens(self) -> tuple[bytes, ...]:
         try:
             stamp = _stamp(self.path)
-            if stamp == self._stamp:
-                return self._tokens
-            tokens = _read_tokens(self.path)
         except OSError as error:
-            logger.warning(
-                "cannot read the token file %s (%s); keeping its last tokens", self.path, error
-            )
+            if self._missing is None:  # said once, not at every call
+                logger.warning("token file %s: %s; keeping its last tokens", self.path, error)
+            self._missing = error
+            return self._tokens
+        self._missing = None
+        if stamp == self._stamp:
+            return self._tokens
+        try:
+            tokens = _read_tokens(self.path)
+        except (OSError, ValueError) as error:  # ValueError: not UTF-8
+            logger.warning("token file %s: %s; keeping its last tokens", self.path, error)
+            self._stamp = stamp
             return self._tokens
         self._stamp = stamp  # read once per change, whatever it held
         if not tokens:

@@ -98,3 +98,13 @@ def test_a_client_token_file_is_re_read_when_it_changes(tmp_path: Path) -> None:
     path.write_text(" \n")
     with pytest.raises(AuthConfigError):
         ClientToken(path)
+
+
+def test_a_token_file_rewritten_with_bytes_that_are_not_text_keeps_its_last_tokens(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("alpha\n")
+    tokens, token = TokenSet(path), ClientToken(path)
+    path.write_bytes(b"\xff\xfe\n")
+    assert tokens.accepts("alpha") and token.current() == "alpha"
