@@ -42,6 +42,7 @@ class Child:
         self.name = name
         self.address = address
         self.tls = tls  # how the launcher reaches it to ask whether it serves
+        self.status = "not asked yet"  # its last answer, or why there was none
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in
         # order, and the engine's worker processes are killed with it if need be. The child
         # watches the launcher and stops itself when the launcher is gone (kill -9 included).
@@ -52,7 +53,8 @@ class Child:
         return self.process.poll() is not None
 
     def is_serving(self) -> bool:
-        return check(self.address, "", 1.0, self.tls) == "SERVING"
+        self.status = check(self.address, "", 1.0, self.tls)
+        return self.status == "SERVING"
 
     def stop(self, timeout_s: float) -> None:
         if not self.exited:
@@ -96,7 +98,9 @@ def probe_tls(args: argparse.Namespace) -> ClientTLS | None:
     one), with a certificate of the launcher's own under mutual TLS."""
     server = server_tls(args)  # the frontend would refuse these options too: fail here
     if server is None:
-        return client_tls(args, "--probe-tls")
+        if client_tls(args, "--probe-tls") is not None:
+            raise TLSConfigError("--probe-tls-* options need --tls-cert-file and --tls-key-file")
+        return None
     if args.probe_tls_ca_file is None:
         args.probe_tls_ca_file = args.tls_cert_file
     if server.client_ca_file is not None and args.probe_tls_cert_file is None:
@@ -139,7 +143,10 @@ def wait_serving(children: list[Child], stop: threading.Event, timeout_s: float)
         if all(child.is_serving() for child in children):
             return None
         stop.wait(0.5)
-    return "stopped" if stop.is_set() else f"not SERVING within {timeout_s:g} s"
+    if stop.is_set():
+        return "stopped"
+    statuses = "; ".join(f"the {child.name}: {child.status}" for child in children)
+    return f"not SERVING within {timeout_s:g} s ({statuses})"
 
 
 def main(argv: list[str] | None = None) -> int:
