@@ -6,16 +6,20 @@ services notice and stop themselves.
 The frontend is the public API: it binds --host, and serves TLS and requires bearer tokens
 when told to (the same options as `python -m frontend_svc`). The engine is the frontend's
 private backend: it binds 127.0.0.1 in plaintext, whatever --host says (an --engine-arg
-may override that)."""
+may override that); when the frontend requires tokens, the engine requires one made for
+this launch, which only the frontend is given."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ from shared.grpc_tls import (
 from shared.health_check import check
 from shared.parent_watch import parent_environment
 
+AUTH_TOKENS_ENV = "DUOSERVE_AUTH_TOKENS"  # the frontend's tokens, as python -m frontend_svc reads
 STOP_TIMEOUT_S = 40.0  # the engine drains in-flight requests for up to 30 s by default
 ENGINE_HOST = "127.0.0.1"  # only the frontend, on this machine, calls the engine
 
@@ -121,6 +126,22 @@ def frontend_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def requires_tokens(args: argparse.Namespace) -> bool:
+    return args.auth_token_file is not None or bool(os.environ.get(AUTH_TOKENS_ENV))
+
+
+def engine_token_flags(args: argparse.Namespace, folder: Path) -> tuple[list[str], list[str]]:
+    """The engine's and the frontend's flags for an engine token of this launch, where the
+    frontend requires tokens: else any local user could call the engine directly, around
+    the frontend's tokens. The file is private (0600, in a 0700 folder)."""
+    if not requires_tokens(args):
+        return [], []
+    path = folder / "engine-token"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_hex(32) + "\n")
+    return ["--auth-token-file", str(path)], ["--engine-auth-token-file", str(path)]
+
+
 def client_hint(address: str, args: argparse.Namespace) -> str:
     """How to call the frontend with the command-line client."""
     hint = f"python -m frontend_svc.client --address {address}"
@@ -128,7 +149,7 @@ def client_hint(address: str, args: argparse.Namespace) -> str:
         hint += f" --tls-ca-file {args.probe_tls_ca_file}"
         if args.tls_client_ca_file is not None:
             hint += " --tls-cert-file CERT --tls-key-file KEY"
-    if args.auth_token_file is not None or os.environ.get("DUOSERVE_AUTH_TOKENS"):
+    if requires_tokens(args):
         hint += " --auth-token-file FILE"
     return hint
 
@@ -170,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     python = sys.executable
+    private = Path(tempfile.mkdtemp(prefix="duoserve-launcher-"))  # 0700
+    engine_token, frontend_token = engine_token_flags(args, private)
     engine_command = [python, "-m", "engine_svc", "--model", model, "--host", ENGINE_HOST,
-                      "--port", str(args.engine_port), *args.engine_arg]  # fmt: skip
+                      "--port", str(args.engine_port), *engine_token, *args.engine_arg]  # fmt: skip
     frontend_command = [python, "-m", "frontend_svc", "--engine", engine_address, "--host",
                         args.host, "--port", str(args.port), "--tokenizer", model,
-                        *frontend_flags(args)]  # fmt: skip
+                        *frontend_flags(args), *frontend_token]  # fmt: skip
     engine = Child("engine", engine_command, engine_address)
     frontend = Child("frontend", frontend_command, address, tls)
     children = [frontend, engine]  # stopped in this order
@@ -197,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for child in children:
             child.stop(STOP_TIMEOUT_S)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+import pytest
+
+from shared.protos import engine_pb2, engine_pb2_grpc
 from tests.process_tree import child_pids, descendants, is_alive
 from tests.service_processes import REPO_ROOT, free_port
 from tests.shared.tls_certs import make_authority
@@ -122,7 +126,8 @@ def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None
 def test_the_launcher_serves_tls_and_requires_a_token(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`--tls-cert-file/--tls-key-file` and `--auth-token-file` go to the frontend, the public
     API; the launcher checks it over TLS, trusting the CA given; the engine stays on
-    127.0.0.1. The client gets through with the CA and a token, and not without either."""
+    127.0.0.1 and requires a token of this launch. The client gets through with the CA and
+    a token, and not without either."""
     ca = make_authority(tmp_path, "launcher-ca")
     frontend = ca.issue(tmp_path, "frontend", server=True)
     tokens = tmp_path / "tokens"
@@ -147,6 +152,13 @@ def test_the_launcher_serves_tls_and_requires_a_token(tiny_model_dir: Path, tmp_
         assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
         no_token = client(address, "Hello", "--max-tokens", "4", *trusting)
         assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
+        # The engine, on 127.0.0.1, takes only the token made for this launch: no way
+        # around the frontend's tokens.
+        with grpc.insecure_channel(f"127.0.0.1:{engine_port}") as channel:
+            stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 0
     finally:
