@@ -5,6 +5,7 @@ exit; SIGTERM drains (or aborts, with timeout 0) and exits 0; data parallelism s
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
@@ -58,14 +59,14 @@ def _long_requests(count: int, max_tokens: int, prefix: str) -> list[pb.Generate
 async def _start_streams(
     stub: engine_pb2_grpc.EngineCoreServiceStub,
     requests: list[pb.GenerateRequest],
-    stay_paused: bool = False,
+    paused_service: ServiceProcess | None = None,
 ) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
     """Start the streams and wait until each has its first tokens. The engine is paused while
     they arrive, so one step schedules them all and they advance together: none can finish
     while another still waits for its first token, however slowly they were admitted.
-    `stay_paused`: the engine is paused again as soon as the first of them has its first
-    tokens (the same step gave every stream its own), so however slowly this client reads
-    on, every stream is still mid-flight afterwards."""
+    With `paused_service` (the engine's), the engine stays paused and runs a step at a time
+    until every stream has its first tokens, so however slowly this client reads, every
+    stream is still mid-flight afterwards."""
     await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
     results = [StreamResult() for _ in requests]
     tasks = [
@@ -77,13 +78,24 @@ async def _start_streams(
         if sum(load.num_running + load.num_waiting for load in response.loads) == len(requests):
             break
         await asyncio.sleep(0.05)
-    await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
-    if stay_paused:
-        firsts = [asyncio.create_task(r.first_message.wait()) for r in results]
-        await asyncio.wait(firsts, return_when=asyncio.FIRST_COMPLETED)
-        await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+    if paused_service is None:
+        await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+    else:
+        every_first = functools.partial(_all_within, [r.first_message for r in results], 0.2)
+        await asyncio.to_thread(paused_service.step_until, every_first)
     await asyncio.gather(*(r.first_message.wait() for r in results))
     return results, tasks
+
+
+def _all_within(events: list[asyncio.Event], timeout_s: float) -> bool:
+    """From another thread: whether every event is set within `timeout_s` (what a step
+    produced takes a moment to reach the client)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(event.is_set() for event in events):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _assert_fails_fast_and_exits_nonzero(
@@ -96,7 +108,8 @@ def _assert_fails_fast_and_exits_nonzero(
             stub = engine_stub(channel)
             doomed = _long_requests(num_streams, 900, "doomed")
             # Paused mid-stream where a trigger follows: none can finish before it.
-            results, tasks = await _start_streams(stub, doomed, stay_paused=trigger is not None)
+            paused = service if trigger is not None else None
+            results, tasks = await _start_streams(stub, doomed, paused)
             triggered_at = time.monotonic()
             if trigger is not None:
                 trigger()
@@ -173,7 +186,7 @@ def test_sigterm_with_timeout_0_aborts_in_flight_requests_and_exits_0(
     async def body() -> list[StreamResult]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             results, tasks = await _start_streams(
-                engine_stub(channel), _long_requests(4, 900, "abort"), stay_paused=True
+                engine_stub(channel), _long_requests(4, 900, "abort"), service
             )
             service.process.send_signal(signal.SIGTERM)
             await asyncio.gather(*tasks)
