@@ -60,6 +60,17 @@ def start_launcher(
     )
 
 
+def stop_all(launcher: subprocess.Popen[str], pids: list[int], *, groups: bool) -> None:
+    """Teardown whatever a test left: the launcher, then its services (`groups`: each in a
+    session of its own, killed with its engine processes) or the processes listed."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            (os.killpg if groups else os.kill)(pid, signal.SIGKILL)
+
+
 def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir: Path) -> None:
     port, engine_port = free_port(), free_port()
     launcher = start_launcher(tiny_model_dir, port, engine_port)
@@ -90,12 +101,7 @@ def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir:
         assert launcher.wait(timeout=60) == 0
         assert not is_listening(port) and not is_listening(engine_port)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(timeout=10)
-        for pid in children:  # the services run in sessions of their own
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        stop_all(launcher, children, groups=True)  # the services run in sessions of their own
 
 
 def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None:
@@ -115,12 +121,7 @@ def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None
         assert [pid for pid in processes if is_alive(pid)] == []
         assert not is_listening(port) and not is_listening(engine_port)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(timeout=10)
-        for pid in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        stop_all(launcher, processes, groups=False)
 
 
 def test_the_launcher_serves_tls_and_requires_a_token(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -162,12 +163,7 @@ def test_the_launcher_serves_tls_and_requires_a_token(tiny_model_dir: Path, tmp_
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 0
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(timeout=10)
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        stop_all(launcher, children, groups=True)
 
 
 def test_the_launcher_refuses_mutual_tls_it_cannot_probe(tmp_path: Path) -> None:
