@@ -190,7 +190,7 @@ class ServiceProcess:
         for step in range(max_steps):
             if condition():
                 return step
-            self._one_step()
+            self.step()
         raise AssertionError(f"not there after {max_steps} engine steps")
 
     def step_while(self, read: Callable[[], object]) -> None:
@@ -215,7 +215,9 @@ class ServiceProcess:
         if failures:
             raise failures[0]
 
-    def _one_step(self) -> None:
+    def step(self) -> None:
+        """With generation paused: resume until the engine's own token count moves, then
+        pause again (a step or a few, by how soon the count is seen to move)."""
         before = self.generation_tokens_total()
         self.resume()
         try:
