@@ -21,6 +21,8 @@ class UtilityMethod(enum.IntEnum):
 class UtilityCall(msgspec.Struct, array_like=True):
     call_id: int
     method: UtilityMethod
+    # RESUME only: pause again after this many scheduled batches, and answer then.
+    max_steps: int | None = None
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):

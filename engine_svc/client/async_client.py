@@ -232,20 +232,26 @@ class AsyncMPClient:
         """Returns once every rank has stopped scheduling."""
         await self._call_all(UtilityMethod.PAUSE)
 
-    async def resume_async(self) -> None:
-        await self._call_all(UtilityMethod.RESUME)
+    async def resume_async(self, max_steps: int | None = None) -> None:
+        """With `max_steps`: every rank schedules at most that many batches, pauses again,
+        and the call returns once their outputs are sent (or a rank has no request left)."""
+        await self._call_all(UtilityMethod.RESUME, max_steps)
 
     async def get_loads_async(self) -> list[RankLoad]:
         results = await self._call_all(UtilityMethod.GET_LOAD)
         return [r for r in results if isinstance(r, RankLoad)]
 
-    async def _call_all(self, method: UtilityMethod) -> list[RankLoad | bool | None]:
+    async def _call_all(
+        self, method: UtilityMethod, max_steps: int | None = None
+    ) -> list[RankLoad | bool | None]:
         self.check_accepting()
-        calls = [self._call_utility(rank, method) for rank in range(self.num_ranks)]
+        calls = [self._call_utility(rank, method, max_steps) for rank in range(self.num_ranks)]
         return list(await asyncio.gather(*calls))
 
-    async def _call_utility(self, rank: int, method: UtilityMethod) -> RankLoad | bool | None:
-        call, result = self._utility_calls.new_call(method)
+    async def _call_utility(
+        self, rank: int, method: UtilityMethod, max_steps: int | None = None
+    ) -> RankLoad | bool | None:
+        call, result = self._utility_calls.new_call(method, max_steps)
         await self._send(rank, RequestType.UTILITY, call)
         return unwrap(await result, method, rank)
 

@@ -95,8 +95,10 @@ class SyncMPClient:
         """Returns once the engine has stopped scheduling; it still takes requests and aborts."""
         self._call_utility(UtilityMethod.PAUSE)
 
-    def resume(self) -> None:
-        self._call_utility(UtilityMethod.RESUME)
+    def resume(self, max_steps: int | None = None) -> None:
+        """With `max_steps`: schedule at most that many batches, pause again, and return
+        once their outputs are in (buffered for get_output()) or no request is left."""
+        self._call_utility(UtilityMethod.RESUME, max_steps)
 
     def get_load(self) -> RankLoad:
         value = self._call_utility(UtilityMethod.GET_LOAD)
@@ -162,9 +164,11 @@ class SyncMPClient:
             return payload
         return None
 
-    def _call_utility(self, method: UtilityMethod) -> RankLoad | bool | None:
+    def _call_utility(
+        self, method: UtilityMethod, max_steps: int | None = None
+    ) -> RankLoad | bool | None:
         call_id = next(self._call_ids)
-        self._send(RequestType.UTILITY, UtilityCall(call_id, method))
+        self._send(RequestType.UTILITY, UtilityCall(call_id, method, max_steps))
         while True:
             # Outputs that arrive meanwhile are buffered for get_output().
             result = self._handle(self._receive(timeout_s=None))

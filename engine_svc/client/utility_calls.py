@@ -16,8 +16,10 @@ class PendingUtilityCalls:
         self._futures: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_ids = itertools.count()
 
-    def new_call(self, method: UtilityMethod) -> tuple[UtilityCall, asyncio.Future[UtilityResult]]:
-        call = UtilityCall(next(self._call_ids), method)
+    def new_call(
+        self, method: UtilityMethod, max_steps: int | None = None
+    ) -> tuple[UtilityCall, asyncio.Future[UtilityResult]]:
+        call = UtilityCall(next(self._call_ids), method, max_steps)
         future: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
         self._futures[call.call_id] = future
         return call, future

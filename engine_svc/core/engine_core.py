@@ -90,6 +90,7 @@ class EngineCore:
         self._aborts_in_flight: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
         self._paused = False
+        self._steps_left: int | None = None  # a bounded resume: forwards before pausing again
 
     # ---- start-up --------------------------------------------------------------------
 
@@ -171,11 +172,19 @@ class EngineCore:
         """Stop scheduling after the step in progress; requests stay where they are, and
         new requests and aborts are still taken in (vLLM's pause_generation)."""
         self._paused = True
+        self._steps_left = None
         return True
 
-    def resume(self) -> bool:
+    def resume(self, max_steps: int | None = None) -> bool:
+        """Schedule again; with `max_steps`, pause again on its own once that many
+        batches are scheduled (a debugger's or a test's single step)."""
         self._paused = False
+        self._steps_left = max_steps
         return True
+
+    @property
+    def is_resumed_for_steps(self) -> bool:
+        return self._steps_left is not None
 
     @property
     def is_paused(self) -> bool:
@@ -194,7 +203,7 @@ class EngineCore:
         if not self._can_schedule():
             self._flush_freed_requests()
             return self._collect([]), False
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         future = self.executor.execute_model(scheduler_output)
         self.max_batches_in_flight = max(self.max_batches_in_flight, 1)
         grammar = self.structured_output.grammar_bitmask(scheduler_output, self.scheduler.requests)
@@ -207,7 +216,7 @@ class EngineCore:
         nothing more can be scheduled."""
         queue = self.batch_queue
         if len(queue) < self.executor.max_concurrent_batches and self._can_schedule():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if not scheduler_output.is_empty:
                 queue.appendleft((self.executor.execute_model(scheduler_output), scheduler_output))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
@@ -226,6 +235,16 @@ class EngineCore:
         self.overlap_forward(scheduler_output)
         runner_output = self._sampled(future.result(), grammar)
         return self._finish_step(scheduler_output, runner_output), True
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next batch, counted against a bounded resume."""
+        scheduler_output = self.scheduler.schedule()
+        if self._steps_left is not None and not scheduler_output.is_empty:
+            self._steps_left -= 1
+            if self._steps_left <= 0:
+                self._paused = True
+                self._steps_left = None
+        return scheduler_output
 
     def _sampled(self, result: RunnerResult, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         """The forward's tokens; when it held back sampling for a grammar, sample now."""

@@ -52,6 +52,7 @@ class EngineCoreProc(EngineCore):
         self._shutdown_deadline: float | None = None
         self._executor_failure = threading.Event()
         self._last_stats_sent: SchedulerStats | None = None
+        self._stepping_call: UtilityCall | None = None  # a bounded RESUME, answered when done
         super().__init__(config)
 
     @property
@@ -63,6 +64,7 @@ class EngineCoreProc(EngineCore):
         while not (self.is_shutting_down and not self._has_unfinished()):
             self._process_input_queue()
             self._process_engine_step()
+            self._answer_stepping_call()
         logger.info("engine core %d shut down", self.io.engine_index)
 
     def _has_unfinished(self) -> bool:
@@ -155,6 +157,12 @@ class EngineCoreProc(EngineCore):
             self.io.send(OutputType.OUTPUTS, EngineCoreOutputs(outputs=[failed]))
 
     def _call_utility(self, call: UtilityCall) -> None:
+        if call.method == UtilityMethod.RESUME and call.max_steps and not self.is_shutting_down:
+            if self._stepping_call is not None:  # the new one takes over
+                self._send_result(UtilityResult(self._stepping_call.call_id, value=True))
+            self.resume(call.max_steps)
+            self._stepping_call = call
+            return
         if self.is_shutting_down:
             result = UtilityResult(call.call_id, error="shutting down", unavailable=True)
         else:
@@ -163,7 +171,24 @@ class EngineCoreProc(EngineCore):
             except Exception as error:
                 logger.exception("utility call %s failed", call.method.name)
                 result = UtilityResult(call.call_id, error=f"{type(error).__name__}: {error}")
+        self._send_result(result)
+
+    def _send_result(self, result: UtilityResult) -> None:
         self.io.send(OutputType.UTILITY_RESULT, result)
+
+    def _answer_stepping_call(self) -> None:
+        """A bounded RESUME is answered once its steps are done and their outputs sent:
+        the engine paused itself and collected its batches, or it has no request left to
+        step, or a PAUSE, RESUME or shutdown since took over."""
+        call = self._stepping_call
+        if call is None or self.batch_queue:
+            return
+        if self.is_resumed_for_steps:
+            if self.scheduler.has_requests():
+                return
+            self.pause()  # out of requests: the next one waits for a resume as well
+        self._stepping_call = None
+        self._send_result(UtilityResult(call.call_id, value=True))
 
     def _run_utility(self, method: UtilityMethod) -> RankLoad | bool:
         if method == UtilityMethod.RESET_PREFIX_CACHE:

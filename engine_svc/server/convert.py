@@ -93,6 +93,15 @@ def to_abort_ids(request: pb.AbortRequest) -> list[str]:
     return list(request.request_ids)
 
 
+def to_max_steps(request: pb.ResumeGenerationRequest) -> int | None:
+    """ResumeGeneration's bound on the steps before pausing again; None: unbounded."""
+    if not request.HasField("max_steps"):
+        return None
+    if request.max_steps < 1:
+        raise InvalidRequestError("max_steps", "must be at least 1 when set")
+    return request.max_steps
+
+
 def to_generate_response(output: EngineCoreOutput) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=output.request_id,

@@ -76,7 +76,7 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
     async def ResumeGeneration(
         self, request: pb.ResumeGenerationRequest, context: Context
     ) -> pb.ResumeGenerationResponse:
-        await self.client.resume_async()
+        await self.client.resume_async(convert.to_max_steps(request))
         return pb.ResumeGenerationResponse()
 
     @unary_errors

@@ -101,6 +101,24 @@ def test_abort_and_utility_calls(client: SyncMPClient) -> None:
         client.resume()
 
 
+def test_a_bounded_resume_returns_with_its_steps_outputs_buffered(client: SyncMPClient) -> None:
+    client.pause()
+    try:
+        client.add_request(_request("stepped", [7, 8], 30))
+        client.resume(max_steps=4)  # returns once the four steps' outputs are in
+        assert client.get_load().num_running == 1  # paused again, mid-request
+        client.abort_requests(["stepped"])
+        outputs = []
+        for _ in range(20):  # the four steps' outputs, perhaps stats alone, then the abort
+            if not client.has_unfinished_requests():
+                break
+            outputs += client.get_output().outputs
+        assert outputs[-1].finish_reason == FinishReason.ABORT
+        assert sum(len(o.new_token_ids) for o in outputs) == 4
+    finally:
+        client.resume()
+
+
 def test_the_idle_busy_loop_sleeps_instead_of_spinning(client: SyncMPClient) -> None:
     (process,) = client._procs.processes
     before = _cpu_seconds(process.pid)

@@ -195,6 +195,56 @@ def test_a_paused_engine_runs_no_forward_until_resumed(config: EngineConfig) -> 
     assert proc.num_forwards == 12  # one token a forward: nothing was skipped or repeated
 
 
+def _tokens_sent(io: RecordingIO) -> int:
+    outputs = [o for o in io.of_type(OutputType.OUTPUTS) if isinstance(o, EngineCoreOutputs)]
+    return sum(len(output.new_token_ids) for batch in outputs for output in batch.outputs)
+
+
+def test_a_bounded_resume_runs_that_many_forwards_and_answers_after_their_tokens(
+    config: EngineConfig,
+) -> None:
+    """RESUME with max_steps: the loop schedules that many batches, pauses itself, and
+    answers once their tokens are sent; out of requests, it answers at once, paused."""
+    io = RecordingIO()
+    proc = HookedEngineCoreProc(config, io, [])
+    io.input_queue.put(_utility(1, UtilityMethod.PAUSE))
+    io.input_queue.put(_add("stepped", max_tokens=10))
+    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop", daemon=True)
+    loop.start()
+    try:
+        io.wait_for_result(1)
+        expected_forwards = 0
+        for call_id, steps in ((2, 1), (3, 3), (4, 1)):
+            io.input_queue.put((RequestType.UTILITY, UtilityCall(call_id, UtilityMethod.RESUME,
+                                                                 max_steps=steps)))  # fmt: skip
+            assert io.wait_for_result(call_id).value is True
+            expected_forwards += steps
+            # The answer comes after the steps' tokens (one a forward), and nothing more.
+            assert proc.num_forwards == _tokens_sent(io) == expected_forwards
+            assert proc.is_paused
+        io.input_queue.put(_utility(5, UtilityMethod.GET_LOAD))
+        io.wait_for_result(5)
+        assert proc.num_forwards == expected_forwards  # still paused
+        # More steps than the request has left: answered when it ends, and paused again.
+        io.input_queue.put((RequestType.UTILITY, UtilityCall(6, UtilityMethod.RESUME,
+                                                             max_steps=50)))  # fmt: skip
+        io.wait_for_result(6)
+        assert _finished(io) == {"stepped": FinishReason.LENGTH}
+        assert proc.num_forwards == _tokens_sent(io) == 10
+        assert proc.is_paused and not proc.is_resumed_for_steps
+        io.input_queue.put(_add("waits", max_tokens=3))
+        io.input_queue.put(_utility(7, UtilityMethod.GET_LOAD))
+        load = io.wait_for_result(7).value
+        assert isinstance(load, RankLoad) and load.num_waiting == 1
+        assert proc.num_forwards == 10
+        io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=60.0)))
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+    finally:
+        proc.shutdown()
+    assert _finished(io) == {"stepped": FinishReason.LENGTH, "waits": FinishReason.LENGTH}
+
+
 class ClockedEngineCoreProc(EngineCoreProc):
     """Reads the time from a clock the test moves: `advance_at` forward -> `advance_s`."""
 

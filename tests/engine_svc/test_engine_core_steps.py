@@ -186,3 +186,26 @@ def test_an_abort_while_paused_leaves_the_other_requests_to_go_on(
     assert kept == expected_tokens([1, 2, 3], 6)
     assert finished["kept"].finish_reason == FinishReason.LENGTH
     assert _all_blocks_free(core)
+
+
+@pytest.mark.parametrize("max_concurrent_batches", [1, 2])
+def test_a_bounded_resume_schedules_that_many_batches_then_pauses(
+    tiny_model_dir: Path, max_concurrent_batches: int
+) -> None:
+    """resume(max_steps=3) launches three batches, whatever the batch queue's depth, and
+    pauses the core; the batches in flight still come back, and nothing more launches."""
+    executor = FakeExecutor(BLOCK_SIZE, max_concurrent_batches=max_concurrent_batches)
+    core = _core(tiny_model_dir, executor)
+    _add(core, "stepped", [1, 2, 3], 10)
+    core.pause()
+    core.resume(max_steps=3)
+    tokens: list[int] = []
+    for _ in range(20):
+        outputs, _ = core.step_fn()
+        tokens += [t for output in outputs.outputs for t in output.new_token_ids]
+    launches = [event for event in executor.events if event.startswith("launch")]
+    assert len(launches) == 3 and len(tokens) == 3
+    assert core.is_paused and not core.is_resumed_for_steps and not core.batch_queue
+    core.resume()
+    finished = _run(core)
+    assert tokens + finished["stepped"].new_token_ids == expected_tokens([1, 2, 3], 10)

@@ -18,6 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
+from shared.protos import engine_pb2_grpc
 from tests.raw_requests import send_raw, with_raw_string
 from tests.service_processes import (
     SERVING,
@@ -79,9 +80,9 @@ def test_32_concurrent_streams_match_the_in_process_engine(
 
 def test_cancelling_16_streams_frees_every_request_and_block(service: ServiceProcess) -> None:
     """The streams are cancelled while the engine is paused with them inside, so what frees
-    their requests and blocks is the cancellation, not their end. The engine pauses while
-    they arrive (one step then schedules all 16), and again once each has its first token:
-    they could all end first only if the engine ran 900 steps in one PauseGeneration call."""
+    their requests and blocks is the cancellation, not their end. The engine is paused while
+    they arrive, then runs exactly one step (ResumeGeneration with max_steps), which gives
+    each its first token."""
 
     async def body() -> int:
         async with grpc.aio.insecure_channel(service.address) as channel:
@@ -96,9 +97,8 @@ def test_cancelling_16_streams_frees_every_request_and_block(service: ServicePro
                 for i, result in enumerate(results)
             ]  # fmt: skip
             await _until(lambda: service.num_requests() == 16)
-            await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+            await stub.ResumeGeneration(pb.ResumeGenerationRequest(max_steps=1), timeout=30)
             await asyncio.gather(*(r.first_message.wait() for r in results))
-            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
             in_engine = service.num_requests()
             for task in tasks:
                 task.cancel()
@@ -111,6 +111,45 @@ def test_cancelling_16_streams_frees_every_request_and_block(service: ServicePro
             return in_engine
 
     assert run_async(body) == 16
+
+
+def test_a_bounded_resume_runs_exactly_that_many_steps(service: ServiceProcess) -> None:
+    """ResumeGeneration(max_steps=k) returns once the engine ran k steps and paused again:
+    the engine's own token count has moved by exactly k for one decoding request, and the
+    stream has every one of them."""
+    before = service.settled_generation_tokens()
+    result = StreamResult()
+
+    async def body() -> list[int]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+            request = generate_request("stepped", [3, 4, 5], 20, ignore_eos=True)
+            task = asyncio.create_task(consume(stub, request, result))
+            counts = []
+            try:
+                await _until(lambda: service.num_requests() == 1)
+                for steps in (1, 2, 5):
+                    await stub.ResumeGeneration(
+                        pb.ResumeGenerationRequest(max_steps=steps), timeout=30
+                    )
+                    counts.append(service.generation_tokens_total() - before)
+                assert service.num_requests() == 1  # paused again, with 12 tokens to go
+                # More steps than the request has left: answered when it ends.
+                await stub.ResumeGeneration(pb.ResumeGenerationRequest(max_steps=50), timeout=30)
+                await task
+            finally:
+                await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+            return counts
+
+    assert run_async(body) == [1, 3, 8]
+    assert (result.finish_reason, len(result.token_ids)) == (pb.FINISH_REASON_LENGTH, 20)
+    with service.channel() as channel:
+        stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+        refused = pb.ResumeGenerationRequest(max_steps=0)
+        error = _rpc_error(lambda: stub.ResumeGeneration(refused, timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "max_steps: must be at least 1 when set"
 
 
 def _rpc_error(call: Any) -> grpc.RpcError:
