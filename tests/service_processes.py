@@ -183,20 +183,20 @@ class ServiceProcess:
         return self.settled_generation_tokens() - before
 
     def step_until(self, condition: Callable[[], bool], max_steps: int = 300) -> int:
-        """With generation paused: lets the engine run a step at a time (resume until its
-        own token count moves, pause again) until `condition()` holds, checked before each
-        step; returns the steps taken. A condition that waits a little for what a step
-        produced to reach the client (an event's wait) spares extra steps."""
+        """With generation paused: lets the engine run a step at a time until `condition()`
+        holds, checked before each step; returns the steps taken. A condition that waits a
+        little for what a step produced to reach the client (an event's wait) spares extra
+        steps."""
         for step in range(max_steps):
             if condition():
                 return step
             self.step()
         raise AssertionError(f"not there after {max_steps} engine steps")
 
-    def step_while(self, read: Callable[[], object]) -> None:
+    def step_while(self, read: Callable[[], object]) -> int:
         """With generation paused and a request sent: runs `read` (a client call that
         blocks until it has the stream's first messages) in a thread, and lets the engine
-        run a step at a time until it returns."""
+        run a step at a time until it returns; returns the steps taken."""
         done = threading.Event()
         failures: list[BaseException] = []
 
@@ -210,32 +210,27 @@ class ServiceProcess:
 
         thread = threading.Thread(target=reader, name="stream reader", daemon=True)
         thread.start()
-        self.step_until(lambda: done.wait(0.2))
+        steps = self.step_until(lambda: done.wait(0.2))
         thread.join(timeout=30)
         if failures:
             raise failures[0]
+        return steps
 
-    def step(self) -> None:
-        """With generation paused: resume until the engine's own token count moves, then
-        pause again (a step or a few, by how soon the count is seen to move)."""
-        before = self.generation_tokens_total()
-        self.resume()
-        try:
-            deadline = time.monotonic() + 30.0
-            while self.generation_tokens_total() == before and self.num_requests() > 0:
-                assert time.monotonic() < deadline, "resumed, the engine made no token"
-                time.sleep(0.002)
-        finally:
-            self.pause()
+    def step(self, num_steps: int = 1) -> None:
+        """With generation paused: exactly `num_steps` engine steps (ResumeGeneration with
+        max_steps, which returns once the engine paused itself again and sent the steps'
+        tokens), fewer if the requests end first."""
+        with self.channel() as channel:
+            stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+            stub.ResumeGeneration(pb.ResumeGenerationRequest(max_steps=num_steps), timeout=60)
 
     def generate_in_steps_until_idle(self, max_steps: int = 300, wait_s: float = 0.2) -> int:
         """With generation paused and a request inside that something outside the engine
         ends once it sees the tokens (a stop string the frontend finds, a gateway whose write
-        fails on its client's closed connection): lets the engine generate a few tokens at a
-        time (resume until its own count moves, pause again) and waits up to `wait_s` after
-        each step for the end to arrive (an abort reaches a paused engine), until the engine
-        holds no request. Returns the steps taken. How far the request gets then depends on
-        the steps its end took, not on how fast the machine generates meanwhile."""
+        fails on its client's closed connection): lets the engine run a step at a time and
+        waits up to `wait_s` after each step for the end to arrive (an abort reaches a
+        paused engine), until the engine holds no request. Returns the steps taken: how
+        far the request got depends on the steps its end took, not on the machine's speed."""
         return self.step_until(lambda: self._idle_within(wait_s), max_steps)
 
     def settled_generation_tokens(self, timeout_s: float = 30.0) -> int:

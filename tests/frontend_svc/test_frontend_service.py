@@ -172,12 +172,12 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
     )  # fmt: skip
 
     choices: list[pb.Choice] = []
-
+    steps: list[int] = []
     engine = services.engine
 
     async def stopped() -> None:
-        # The request arrives at a paused engine, which then generates a few tokens at a
-        # time until the frontend, seeing the stop string, has aborted it.
+        # The request arrives at a paused engine, which then runs a step at a time until
+        # the frontend, seeing the stop string, has aborted it.
         await asyncio.to_thread(engine.pause)
         try:
             async with grpc.aio.insecure_channel(services.frontend.address) as channel:
@@ -187,7 +187,7 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
                 while await asyncio.to_thread(engine.num_requests) == 0:
                     assert asyncio.get_running_loop().time() < deadline, "never reached the engine"
                     await asyncio.sleep(0.01)
-                await asyncio.to_thread(engine.generate_in_steps_until_idle)
+                steps.append(await asyncio.to_thread(engine.generate_in_steps_until_idle))
                 response = await call
         finally:
             await asyncio.to_thread(engine.resume)
@@ -198,11 +198,13 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
     assert choice.text == reference.text[:cut]
     assert list(choice.token_ids) == list(reference.token_ids[:num_tokens])
     assert (choice.finish_reason, choice.stop_string) == (pb.FINISH_REASON_STOP, stop)
-    assert generated < LONG_REQUEST_TOKENS, "the engine did not abort the stopped request"
+    assert generated == steps[-1] < LONG_REQUEST_TOKENS, "the engine did not abort the request"
 
 
 def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> None:
     engine = services.engine
+
+    steps: list[int] = []
 
     async def cancelled() -> None:
         # Paused, the engine runs the request only the steps it is given: it is mid-stream
@@ -217,7 +219,9 @@ def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> No
                 first = asyncio.ensure_future(call.read())
                 got_first = threading.Event()
                 first.add_done_callback(lambda _: got_first.set())
-                await asyncio.to_thread(engine.step_until, lambda: got_first.wait(0.2))
+                steps.append(
+                    await asyncio.to_thread(engine.step_until, lambda: got_first.wait(0.2))
+                )
                 assert (await first).choices[0].token_ids
                 call.cancel()
                 await asyncio.to_thread(engine.wait_idle, 30.0)
@@ -225,7 +229,8 @@ def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> No
             await asyncio.to_thread(engine.resume)
 
     generated = engine.tokens_of_a_request_ended_while_paused(lambda: run_async(cancelled))
-    assert generated < LONG_REQUEST_TOKENS, "the engine did not abort the cancelled request"
+    # One token a step: the engine ran exactly the steps it was given, then the abort came.
+    assert generated == steps[0] < LONG_REQUEST_TOKENS, "the engine did not abort the request"
 
 
 def test_n_choices_use_consecutive_seeds_and_share_the_prompt_blocks(services: Services) -> None:

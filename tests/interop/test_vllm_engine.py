@@ -67,6 +67,7 @@ def test_abort_ends_the_stream_as_aborted(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:
     lasts: list[vpb.GenerateResponse] = []
+    steps: list[int] = []
 
     def abort_after_first_chunk() -> None:
         with engine.paused():  # the request runs only the steps it is given
@@ -74,7 +75,7 @@ def test_abort_ends_the_stream_as_aborted(
                 generate_request("to-abort", 900, True, ignore_eos=True), timeout=60
             )
             first: list[vpb.GenerateResponse] = []
-            engine.step_while(lambda: first.append(next(responses)))
+            steps.append(engine.step_while(lambda: first.append(next(responses))))
             assert first[0].WhichOneof("response") == "chunk"
             stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=5)
             lasts.append(list(responses)[-1])  # a paused engine still takes aborts
@@ -82,23 +83,27 @@ def test_abort_ends_the_stream_as_aborted(
     generated = engine.tokens_of_a_request_ended_while_paused(abort_after_first_chunk)
     last = lasts[-1]
     assert last.complete.finish_reason == "abort"
-    assert last.complete.completion_tokens < 900 and generated < 900
+    # One token a step (the prompt fits one): the engine ran exactly the steps it was given.
+    assert last.complete.completion_tokens == generated == steps[0]
 
 
 def test_cancelling_the_call_aborts_the_request(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:
+    steps: list[int] = []
+
     def cancel_after_first_chunk() -> None:
         with engine.paused():  # left once the engine holds no request
             call = stub.Generate(
                 generate_request("to-cancel", 900, True, ignore_eos=True), timeout=60
             )
-            engine.step_while(lambda: next(call))
+            steps.append(engine.step_while(lambda: next(call)))
             call.cancel()
 
-    # The engine's own count: it aborted the request before the 900 tokens it asked for.
+    # The engine's own count: it aborted the request after the steps it was given, one
+    # token each, long before the 900 tokens it asked for.
     generated = engine.tokens_of_a_request_ended_while_paused(cancel_after_first_chunk)
-    assert generated < 900, "the engine did not abort the cancelled request"
+    assert generated == steps[0] < 900, "the engine did not abort the cancelled request"
 
 
 def test_get_tokenizer_sends_a_verifiable_archive(
