@@ -25,9 +25,14 @@ class UtilityCall(msgspec.Struct, array_like=True):
     max_steps: int | None = None
 
 
+# GET_LOAD: the rank's load; RESET_PREFIX_CACHE: whether it reset; a bounded RESUME: the
+# steps it ran; PAUSE and RESUME: True.
+UtilityValue = RankLoad | bool | int | None
+
+
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
-    value: RankLoad | bool | None = None
+    value: UtilityValue = None
     error: str | None = None
     unavailable: bool = False  # refused because the engine is shutting down
 

@@ -184,19 +184,20 @@ class ServiceProcess:
 
     def step_until(self, condition: Callable[[], bool], max_steps: int = 300) -> int:
         """With generation paused: lets the engine run a step at a time until `condition()`
-        holds, checked before each step; returns the steps taken. A condition that waits a
-        little for what a step produced to reach the client (an event's wait) spares extra
-        steps."""
-        for step in range(max_steps):
+        holds, checked before each step; returns the steps the engine ran (a step asked for
+        while it holds no request runs none). A condition that waits a little for what a
+        step produced to reach the client (an event's wait) spares extra steps."""
+        steps_run = 0
+        for _ in range(max_steps):
             if condition():
-                return step
-            self.step()
+                return steps_run
+            steps_run += self.step()
         raise AssertionError(f"not there after {max_steps} engine steps")
 
     def step_while(self, read: Callable[[], object]) -> int:
         """With generation paused and a request sent: runs `read` (a client call that
         blocks until it has the stream's first messages) in a thread, and lets the engine
-        run a step at a time until it returns; returns the steps taken."""
+        run a step at a time until it returns; returns the steps the engine ran."""
         done = threading.Event()
         failures: list[BaseException] = []
 
@@ -216,21 +217,25 @@ class ServiceProcess:
             raise failures[0]
         return steps
 
-    def step(self, num_steps: int = 1) -> None:
+    def step(self, num_steps: int = 1) -> int:
         """With generation paused: exactly `num_steps` engine steps (ResumeGeneration with
         max_steps, which returns once the engine paused itself again and sent the steps'
-        tokens), fewer if the requests end first."""
+        tokens), fewer if the requests end first (none if the engine holds none). Returns
+        the steps run (the most any rank ran)."""
         with self.channel() as channel:
             stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
-            stub.ResumeGeneration(pb.ResumeGenerationRequest(max_steps=num_steps), timeout=60)
+            request = pb.ResumeGenerationRequest(max_steps=num_steps)
+            response = stub.ResumeGeneration(request, timeout=60)
+        return max(response.steps_run, default=0)
 
     def generate_in_steps_until_idle(self, max_steps: int = 300, wait_s: float = 0.2) -> int:
         """With generation paused and a request inside that something outside the engine
         ends once it sees the tokens (a stop string the frontend finds, a gateway whose write
         fails on its client's closed connection): lets the engine run a step at a time and
         waits up to `wait_s` after each step for the end to arrive (an abort reaches a
-        paused engine), until the engine holds no request. Returns the steps taken: how
-        far the request got depends on the steps its end took, not on the machine's speed."""
+        paused engine), until the engine holds no request. Returns the steps the engine ran:
+        how far the request got depends on the steps its end took, not on the machine's
+        speed. An end that arrives during the last step's forward drops that step's token."""
         return self.step_until(lambda: self._idle_within(wait_s), max_steps)
 
     def settled_generation_tokens(self, timeout_s: float = 30.0) -> int:

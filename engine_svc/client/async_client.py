@@ -16,7 +16,7 @@ from engine_svc.client.engine_procs import EngineProcesses
 from engine_svc.client.observer import GuardedObserver, NullObserver, RequestObserver
 from engine_svc.client.output_stream import RequestOutputStream
 from engine_svc.client.proc_monitor import ProcessMonitor
-from engine_svc.client.utility_calls import PendingUtilityCalls, unwrap
+from engine_svc.client.utility_calls import PendingUtilityCalls, as_steps, unwrap
 from engine_svc.config import EngineConfig
 from engine_svc.control_messages import (
     EngineDead,
@@ -25,6 +25,7 @@ from engine_svc.control_messages import (
     ShutdownRequest,
     UtilityMethod,
     UtilityResult,
+    UtilityValue,
 )
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine_svc.proc.wire import (
@@ -232,10 +233,16 @@ class AsyncMPClient:
         """Returns once every rank has stopped scheduling."""
         await self._call_all(UtilityMethod.PAUSE)
 
-    async def resume_async(self, max_steps: int | None = None) -> None:
-        """With `max_steps`: every rank schedules at most that many batches, pauses again,
-        and the call returns once their outputs are sent (or a rank has no request left)."""
-        await self._call_all(UtilityMethod.RESUME, max_steps)
+    async def resume_async(self) -> None:
+        await self._call_all(UtilityMethod.RESUME)
+
+    async def resume_for_steps_async(self, max_steps: int) -> list[int]:
+        """Every rank schedules at most `max_steps` batches and pauses again; returns once
+        their outputs are sent (a rank with no request left answers at once): the steps
+        each rank ran, by rank."""
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, not {max_steps}")
+        return [as_steps(r) for r in await self._call_all(UtilityMethod.RESUME, max_steps)]
 
     async def get_loads_async(self) -> list[RankLoad]:
         results = await self._call_all(UtilityMethod.GET_LOAD)
@@ -243,14 +250,14 @@ class AsyncMPClient:
 
     async def _call_all(
         self, method: UtilityMethod, max_steps: int | None = None
-    ) -> list[RankLoad | bool | None]:
+    ) -> list[UtilityValue]:
         self.check_accepting()
         calls = [self._call_utility(rank, method, max_steps) for rank in range(self.num_ranks)]
         return list(await asyncio.gather(*calls))
 
     async def _call_utility(
         self, rank: int, method: UtilityMethod, max_steps: int | None = None
-    ) -> RankLoad | bool | None:
+    ) -> UtilityValue:
         call, result = self._utility_calls.new_call(method, max_steps)
         await self._send(rank, RequestType.UTILITY, call)
         return unwrap(await result, method, rank)

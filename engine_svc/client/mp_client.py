@@ -11,6 +11,7 @@ import zmq
 
 from engine_svc.admission import check_request
 from engine_svc.client.engine_procs import EngineProcesses
+from engine_svc.client.utility_calls import as_steps
 from engine_svc.config import EngineConfig
 from engine_svc.control_messages import (
     EngineDead,
@@ -20,6 +21,7 @@ from engine_svc.control_messages import (
     UtilityCall,
     UtilityMethod,
     UtilityResult,
+    UtilityValue,
 )
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.proc.wire import (
@@ -95,10 +97,16 @@ class SyncMPClient:
         """Returns once the engine has stopped scheduling; it still takes requests and aborts."""
         self._call_utility(UtilityMethod.PAUSE)
 
-    def resume(self, max_steps: int | None = None) -> None:
-        """With `max_steps`: schedule at most that many batches, pause again, and return
-        once their outputs are in (buffered for get_output()) or no request is left."""
-        self._call_utility(UtilityMethod.RESUME, max_steps)
+    def resume(self) -> None:
+        self._call_utility(UtilityMethod.RESUME)
+
+    def resume_for_steps(self, max_steps: int) -> int:
+        """Schedule at most `max_steps` batches, pause again, and return once their outputs
+        are in (buffered for get_output()) or no request is left: the steps it ran. A PAUSE
+        or RESUME sent meanwhile ends it at once."""
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, not {max_steps}")
+        return as_steps(self._call_utility(UtilityMethod.RESUME, max_steps))
 
     def get_load(self) -> RankLoad:
         value = self._call_utility(UtilityMethod.GET_LOAD)
@@ -164,9 +172,7 @@ class SyncMPClient:
             return payload
         return None
 
-    def _call_utility(
-        self, method: UtilityMethod, max_steps: int | None = None
-    ) -> RankLoad | bool | None:
+    def _call_utility(self, method: UtilityMethod, max_steps: int | None = None) -> UtilityValue:
         call_id = next(self._call_ids)
         self._send(RequestType.UTILITY, UtilityCall(call_id, method, max_steps))
         while True:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from engine_svc.control_messages import UtilityCall, UtilityMethod, UtilityResult
-from shared.engine_load import RankLoad
+from engine_svc.control_messages import UtilityCall, UtilityMethod, UtilityResult, UtilityValue
 from shared.errors import EngineUnavailableError
 
 
@@ -36,10 +35,17 @@ class PendingUtilityCalls:
                 future.set_exception(error)
 
 
-def unwrap(result: UtilityResult, method: UtilityMethod, rank: int) -> RankLoad | bool | None:
+def unwrap(result: UtilityResult, method: UtilityMethod, rank: int) -> UtilityValue:
     """The value of a call, or the error the engine reported, raised."""
     if result.unavailable:
         raise EngineUnavailableError("the engine is shutting down")
     if result.error is not None:
         raise RuntimeError(f"{method.name} failed in engine core {rank}: {result.error}")
     return result.value
+
+
+def as_steps(value: UtilityValue) -> int:
+    """A bounded RESUME's answer: the steps the rank ran."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"a bounded RESUME answered {value!r}")
+    return value

@@ -90,7 +90,8 @@ class EngineCore:
         self._aborts_in_flight: list[str] = []
         self._pending_outputs: list[EngineCoreOutput] = []
         self._paused = False
-        self._steps_left: int | None = None  # a bounded resume: forwards before pausing again
+        self._steps_left: int | None = None  # a bounded resume: batches before pausing again
+        self.num_batches_scheduled = 0
 
     # ---- start-up --------------------------------------------------------------------
 
@@ -178,6 +179,8 @@ class EngineCore:
     def resume(self, max_steps: int | None = None) -> bool:
         """Schedule again; with `max_steps`, pause again on its own once that many
         batches are scheduled (a debugger's or a test's single step)."""
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, not {max_steps}")
         self._paused = False
         self._steps_left = max_steps
         return True
@@ -239,7 +242,10 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next batch, counted against a bounded resume."""
         scheduler_output = self.scheduler.schedule()
-        if self._steps_left is not None and not scheduler_output.is_empty:
+        if scheduler_output.is_empty:
+            return scheduler_output
+        self.num_batches_scheduled += 1
+        if self._steps_left is not None:
             self._steps_left -= 1
             if self._steps_left <= 0:
                 self._paused = True

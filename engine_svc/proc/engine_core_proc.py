@@ -52,7 +52,9 @@ class EngineCoreProc(EngineCore):
         self._shutdown_deadline: float | None = None
         self._executor_failure = threading.Event()
         self._last_stats_sent: SchedulerStats | None = None
-        self._stepping_call: UtilityCall | None = None  # a bounded RESUME, answered when done
+        # A bounded RESUME, answered when its steps are done: the call, and the batch count
+        # when it began.
+        self._stepping: tuple[UtilityCall, int] | None = None
         super().__init__(config)
 
     @property
@@ -64,7 +66,7 @@ class EngineCoreProc(EngineCore):
         while not (self.is_shutting_down and not self._has_unfinished()):
             self._process_input_queue()
             self._process_engine_step()
-            self._answer_stepping_call()
+            self._settle_stepping()
         logger.info("engine core %d shut down", self.io.engine_index)
 
     def _has_unfinished(self) -> bool:
@@ -157,11 +159,11 @@ class EngineCoreProc(EngineCore):
             self.io.send(OutputType.OUTPUTS, EngineCoreOutputs(outputs=[failed]))
 
     def _call_utility(self, call: UtilityCall) -> None:
-        if call.method == UtilityMethod.RESUME and call.max_steps and not self.is_shutting_down:
-            if self._stepping_call is not None:  # the new one takes over
-                self._send_result(UtilityResult(self._stepping_call.call_id, value=True))
-            self.resume(call.max_steps)
-            self._stepping_call = call
+        if call.method in (UtilityMethod.PAUSE, UtilityMethod.RESUME):
+            self._answer_stepping()  # one pending is taken over: answered with its steps so far
+        bounded = call.method == UtilityMethod.RESUME and call.max_steps is not None
+        if bounded and not self.is_shutting_down:
+            self._resume_for_steps(call)
             return
         if self.is_shutting_down:
             result = UtilityResult(call.call_id, error="shutting down", unavailable=True)
@@ -176,19 +178,34 @@ class EngineCoreProc(EngineCore):
     def _send_result(self, result: UtilityResult) -> None:
         self.io.send(OutputType.UTILITY_RESULT, result)
 
-    def _answer_stepping_call(self) -> None:
-        """A bounded RESUME is answered once its steps are done and their outputs sent:
-        the engine paused itself and collected its batches, or it has no request left to
-        step, or a PAUSE, RESUME or shutdown since took over."""
-        call = self._stepping_call
-        if call is None or self.batch_queue:
+    def _resume_for_steps(self, call: UtilityCall) -> None:
+        try:
+            self.resume(call.max_steps)
+        except ValueError as error:
+            self._send_result(UtilityResult(call.call_id, error=str(error)))
+            return
+        self._stepping = (call, self.num_batches_scheduled)
+
+    def _settle_stepping(self) -> None:
+        """A bounded RESUME is answered once its steps are done and their outputs sent
+        (the engine paused itself and collected its batches), or once it has no request
+        left to step (paused again: the next request waits for a resume as well)."""
+        if self._stepping is None or self.batch_queue:
             return
         if self.is_resumed_for_steps:
             if self.scheduler.has_requests():
                 return
-            self.pause()  # out of requests: the next one waits for a resume as well
-        self._stepping_call = None
-        self._send_result(UtilityResult(call.call_id, value=True))
+            self.pause()
+        self._answer_stepping()
+
+    def _answer_stepping(self) -> None:
+        """Answer the bounded RESUME with the batches scheduled since it began."""
+        if self._stepping is None:
+            return
+        call, batches_before = self._stepping
+        self._stepping = None
+        steps = self.num_batches_scheduled - batches_before
+        self._send_result(UtilityResult(call.call_id, value=steps))
 
     def _run_utility(self, method: UtilityMethod) -> RankLoad | bool:
         if method == UtilityMethod.RESET_PREFIX_CACHE:
@@ -215,6 +232,7 @@ class EngineCoreProc(EngineCore):
         if self._shutdown_deadline is not None:
             deadline = min(deadline, self._shutdown_deadline)
         self._shutdown_deadline = deadline
+        self._answer_stepping()
         self.resume()  # a paused engine could never drain
         mode = "abort" if timeout_s <= 0 else f"drain (up to {timeout_s:g} s)"
         logger.info("engine core %d shutting down: %s", self.io.engine_index, mode)

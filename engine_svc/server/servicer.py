@@ -76,8 +76,12 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
     async def ResumeGeneration(
         self, request: pb.ResumeGenerationRequest, context: Context
     ) -> pb.ResumeGenerationResponse:
-        await self.client.resume_async(convert.to_max_steps(request))
-        return pb.ResumeGenerationResponse()
+        max_steps = convert.to_max_steps(request)
+        if max_steps is None:
+            await self.client.resume_async()
+            return pb.ResumeGenerationResponse()
+        steps = await self.client.resume_for_steps_async(max_steps)
+        return pb.ResumeGenerationResponse(steps_run=steps)
 
     @unary_errors
     async def ResetPrefixCache(

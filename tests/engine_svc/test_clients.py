@@ -105,7 +105,7 @@ def test_a_bounded_resume_returns_with_its_steps_outputs_buffered(client: SyncMP
     client.pause()
     try:
         client.add_request(_request("stepped", [7, 8], 30))
-        client.resume(max_steps=4)  # returns once the four steps' outputs are in
+        assert client.resume_for_steps(4) == 4  # returns once the steps' outputs are in
         assert client.get_load().num_running == 1  # paused again, mid-request
         client.abort_requests(["stepped"])
         outputs = []

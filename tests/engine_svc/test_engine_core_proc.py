@@ -80,6 +80,10 @@ def _utility(call_id: int, method: UtilityMethod) -> InputItem:
     return RequestType.UTILITY, UtilityCall(call_id, method)
 
 
+def _resume(call_id: int, max_steps: int) -> InputItem:
+    return RequestType.UTILITY, UtilityCall(call_id, UtilityMethod.RESUME, max_steps=max_steps)
+
+
 def _add(request_id: str, max_tokens: int = 4) -> InputItem:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     request = EngineCoreRequest(
@@ -215,9 +219,8 @@ def test_a_bounded_resume_runs_that_many_forwards_and_answers_after_their_tokens
         io.wait_for_result(1)
         expected_forwards = 0
         for call_id, steps in ((2, 1), (3, 3), (4, 1)):
-            io.input_queue.put((RequestType.UTILITY, UtilityCall(call_id, UtilityMethod.RESUME,
-                                                                 max_steps=steps)))  # fmt: skip
-            assert io.wait_for_result(call_id).value is True
+            io.input_queue.put(_resume(call_id, steps))
+            assert io.wait_for_result(call_id).value == steps
             expected_forwards += steps
             # The answer comes after the steps' tokens (one a forward), and nothing more.
             assert proc.num_forwards == _tokens_sent(io) == expected_forwards
@@ -226,9 +229,8 @@ def test_a_bounded_resume_runs_that_many_forwards_and_answers_after_their_tokens
         io.wait_for_result(5)
         assert proc.num_forwards == expected_forwards  # still paused
         # More steps than the request has left: answered when it ends, and paused again.
-        io.input_queue.put((RequestType.UTILITY, UtilityCall(6, UtilityMethod.RESUME,
-                                                             max_steps=50)))  # fmt: skip
-        io.wait_for_result(6)
+        io.input_queue.put(_resume(6, 50))
+        assert io.wait_for_result(6).value == 10 - expected_forwards
         assert _finished(io) == {"stepped": FinishReason.LENGTH}
         assert proc.num_forwards == _tokens_sent(io) == 10
         assert proc.is_paused and not proc.is_resumed_for_steps
@@ -243,6 +245,31 @@ def test_a_bounded_resume_runs_that_many_forwards_and_answers_after_their_tokens
     finally:
         proc.shutdown()
     assert _finished(io) == {"stepped": FinishReason.LENGTH, "waits": FinishReason.LENGTH}
+
+
+def test_a_bounded_resume_is_answered_when_another_call_takes_over(config: EngineConfig) -> None:
+    """A PAUSE or another RESUME sent while a bounded RESUME runs answers it at once, with
+    the steps it ran; a bound below 1 is refused."""
+    io = RecordingIO()
+    # Sent during the bounded resume's first forward: the second takes over from it.
+    proc = HookedEngineCoreProc(config, io, [_resume(3, max_steps=2)])
+    io.input_queue.put(_utility(1, UtilityMethod.PAUSE))
+    io.input_queue.put(_add("stepped", max_tokens=20))
+    io.input_queue.put(_resume(2, max_steps=10))
+    loop = threading.Thread(target=proc.run_busy_loop, name="busy-loop", daemon=True)
+    loop.start()
+    try:
+        assert io.wait_for_result(2).value == 1  # taken over after its first forward
+        assert io.wait_for_result(3).value == 2
+        assert proc.num_forwards == 3 and proc.is_paused
+        io.input_queue.put(_resume(4, max_steps=0))
+        assert "max_steps must be at least 1" in (io.wait_for_result(4).error or "")
+        io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=0.0)))
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+    finally:
+        proc.shutdown()
+    assert _finished(io) == {"stepped": FinishReason.ABORT}
 
 
 class ClockedEngineCoreProc(EngineCoreProc):

@@ -130,13 +130,15 @@ def test_a_bounded_resume_runs_exactly_that_many_steps(service: ServiceProcess) 
             try:
                 await _until(lambda: service.num_requests() == 1)
                 for steps in (1, 2, 5):
-                    await stub.ResumeGeneration(
-                        pb.ResumeGenerationRequest(max_steps=steps), timeout=30
-                    )
+                    resume = pb.ResumeGenerationRequest(max_steps=steps)
+                    response = await stub.ResumeGeneration(resume, timeout=30)
+                    assert list(response.steps_run) == [steps]
                     counts.append(service.generation_tokens_total() - before)
                 assert service.num_requests() == 1  # paused again, with 12 tokens to go
                 # More steps than the request has left: answered when it ends.
-                await stub.ResumeGeneration(pb.ResumeGenerationRequest(max_steps=50), timeout=30)
+                resume = pb.ResumeGenerationRequest(max_steps=50)
+                response = await stub.ResumeGeneration(resume, timeout=30)
+                assert list(response.steps_run) == [12]
                 await task
             finally:
                 await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)

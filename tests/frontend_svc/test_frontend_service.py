@@ -198,7 +198,9 @@ def test_a_stop_string_across_two_tokens_cuts_exactly_and_the_engine_aborts(
     assert choice.text == reference.text[:cut]
     assert list(choice.token_ids) == list(reference.token_ids[:num_tokens])
     assert (choice.finish_reason, choice.stop_string) == (pb.FINISH_REASON_STOP, stop)
-    assert generated == steps[-1] < LONG_REQUEST_TOKENS, "the engine did not abort the request"
+    # One token a step (the prompt fits one), but the frontend's abort may land during the
+    # forward after the one that showed the stop string, which then drops its token.
+    assert steps[-1] - 1 <= generated <= steps[-1] < LONG_REQUEST_TOKENS
 
 
 def test_cancelling_a_stream_aborts_the_engine_request(services: Services) -> None:

@@ -99,9 +99,10 @@ def test_client_disconnect_aborts_the_engine_request(
             steps.append(engine.generate_in_steps_until_idle())
 
     # The engine's own count: it aborted the request after the steps it was given (one
-    # token each; the chat prompt fits one step), long before the 900 tokens it asked for.
+    # token each; the chat prompt fits one step; smg's abort may land during a forward,
+    # which then drops its token), long before the 900 tokens it asked for.
     generated = engine.tokens_of_a_request_ended_while_paused(disconnect_mid_stream)
-    assert generated == sum(steps) < 900, "the engine did not abort the request of the client gone"
+    assert sum(steps) - 1 <= generated <= sum(steps) < 900, "the engine did not abort it"
 
 
 def test_bench_openai_runs_a_workload_through_smg(
