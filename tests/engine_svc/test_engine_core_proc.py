@@ -80,6 +80,13 @@ def _utility(call_id: int, method: UtilityMethod) -> InputItem:
     return RequestType.UTILITY, UtilityCall(call_id, method)
 
 
+def _shut_down(io: RecordingIO, loop: threading.Thread, drain_s: float) -> None:
+    """SHUTDOWN to a busy loop running in `loop`, and wait for it to end."""
+    io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=drain_s)))
+    loop.join(timeout=60)
+    assert not loop.is_alive()
+
+
 def _resume(call_id: int, max_steps: int) -> InputItem:
     return RequestType.UTILITY, UtilityCall(call_id, UtilityMethod.RESUME, max_steps=max_steps)
 
@@ -190,9 +197,7 @@ def test_a_paused_engine_runs_no_forward_until_resumed(config: EngineConfig) -> 
             io.wait_for_result(call_id)
             assert proc.num_forwards == 1
         io.input_queue.put(_utility(6, UtilityMethod.RESUME))
-        io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=60.0)))
-        loop.join(timeout=60)
-        assert not loop.is_alive()
+        _shut_down(io, loop, drain_s=60.0)
     finally:
         proc.shutdown()
     assert _finished(io) == {"paused": FinishReason.LENGTH}
@@ -239,9 +244,7 @@ def test_a_bounded_resume_runs_that_many_forwards_and_answers_after_their_tokens
         load = io.wait_for_result(7).value
         assert isinstance(load, RankLoad) and load.num_waiting == 1
         assert proc.num_forwards == 10
-        io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=60.0)))
-        loop.join(timeout=60)
-        assert not loop.is_alive()
+        _shut_down(io, loop, drain_s=60.0)
     finally:
         proc.shutdown()
     assert _finished(io) == {"stepped": FinishReason.LENGTH, "waits": FinishReason.LENGTH}
@@ -264,9 +267,7 @@ def test_a_bounded_resume_is_answered_when_another_call_takes_over(config: Engin
         assert proc.num_forwards == 3 and proc.is_paused
         io.input_queue.put(_resume(4, max_steps=0))
         assert "max_steps must be at least 1" in (io.wait_for_result(4).error or "")
-        io.input_queue.put((RequestType.SHUTDOWN, ShutdownRequest(timeout_s=0.0)))
-        loop.join(timeout=60)
-        assert not loop.is_alive()
+        _shut_down(io, loop, drain_s=0.0)
     finally:
         proc.shutdown()
     assert _finished(io) == {"stepped": FinishReason.ABORT}
