@@ -6,16 +6,20 @@
 // [ceil(N / block), K, block] (the last block zero-padded), so each block is one contiguous
 // K x block panel, read as is. Threads split the column blocks.
 //
-// Up to 128 rows (decode steps), a register-tile kernel of our own (gemm_tile.h, one source
-// for AVX-512, AVX2 and NEON) computes a panel
-// while it prefetches the thread's next panel into L2, spread over its loop: the weights
-// stream from memory at every step, and oneDNN's brgemm, which does not prefetch, stalled on
-// each panel's first pass. More rows (prefill), brgemm (oneDNN's batch-reduce GEMM kernel,
+// On AVX-512, up to 128 rows (decode steps), a register-tile kernel of our own (gemm_tile.h,
+// one source for AVX-512, AVX2 and NEON) computes a panel while it prefetches the thread's
+// next panel into L2, spread over its loop: the weights stream from memory at every step, and
+// oneDNN's brgemm, which does not prefetch, stalled on each panel's first pass there. More
+// rows (prefill), and every row count on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
 // through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
-// thread sweeps its blocks. Measured on this project's 2-core AVX-512 machine with
-// SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory: MKL
-// 97-108 ms at 64 rows, brgemm 75-90, this kernel 69-76 (1 row: brgemm 25-32, ours 23-26);
-// a 2,048-token prefill's projections on par with MKL (313 GFLOP/s).
+// thread sweeps its blocks. Measured with SmolLM2-135M's shapes, 30 layers and the LM head
+// with weights streaming from memory, on the 2-core machines this project runs on:
+// - Intel Xeon, AVX-512: MKL 97-108 ms at 64 rows, brgemm 75-90, the register tile 69-76
+//   (1 row: brgemm 25-32, the tile 23-26); a 2,048-token prefill on par with MKL (313 GFLOP/s).
+// - AMD EPYC (Zen 3), AVX2 only, alternating runs: brgemm 142-189 ms at 64 rows against the
+//   tile's 162-250 (MKL 308), 28-31 ms against 37-50 at 1 row, 72-92 against 115-139 at 32.
+//   Its hardware prefetchers keep brgemm fed; the tile (12 accumulators in 16 registers)
+//   is the slower of the two at every row count there.
 //
 // The sums run in another order than MKL's, so results differ from torch's by float
 // rounding (relative 1e-6), as two BLAS libraries do.
@@ -36,7 +40,12 @@ namespace duoserve {
 namespace {
 
 constexpr int64_t kRowTile = 256;
-constexpr int64_t kMaxRegisterTileRows = 128;  // above: brgemm (measured crossover)
+// Row counts the register tile takes; above, brgemm (the measured crossovers above).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kMaxRegisterTileRows = 128;
+#else
+constexpr int64_t kMaxRegisterTileRows = 0;
+#endif
 
 
 // weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded.
