@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine_svc.bench.machine import has_bf16_arithmetic
+
 GEMM_SIZE = 2048
 GEMM_REPEATS = 2
 COPY_BYTES = 512 * 2**20
@@ -32,7 +34,19 @@ class Ceilings:
 
 
 def measure_ceilings(dtype: torch.dtype = torch.float32) -> Ceilings:
-    return Ceilings(flops_per_s=measure_gemm_flops(dtype), bytes_per_s=measure_copy_bandwidth())
+    return Ceilings(
+        flops_per_s=measure_gemm_flops(gemm_dtype(dtype)), bytes_per_s=measure_copy_bandwidth()
+    )
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose GEMM bounds a model of `dtype`: bfloat16 where the CPU multiplies it
+    (AVX512-BF16, AMX-BF16); float32 where it cannot, as the engine then computes in
+    float32 over bfloat16 weights (torch's own bfloat16 GEMM is a scalar loop there, about
+    1 GFLOP/s on AVX2: no ceiling, and minutes to measure)."""
+    if dtype == torch.bfloat16 and not has_bf16_arithmetic():
+        return torch.float32
+    return dtype
 
 
 def measure_gemm_flops(dtype: torch.dtype = torch.float32, size: int = GEMM_SIZE) -> float:

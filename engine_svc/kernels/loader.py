@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -173,18 +174,36 @@ def _build(level: str) -> None:
     logger.info("CPU kernels built in %.1f s", time.perf_counter() - began)
 
 
+def has_bf16_arithmetic(flags: Collection[str] | None = None) -> bool:
+    """Whether torch multiplies bfloat16 matrices in hardware on this CPU (`flags`, else
+    /proc/cpuinfo's): AVX512-BF16 or AMX-BF16, through oneDNN, unless oneDNN is held to AVX2
+    (`make bench ARGS="--isa avx2"`). Elsewhere its bfloat16 matmul is a scalar loop, 70x
+    slower than float32 on AVX2."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(_cpu_flags() if flags is None else flags))
+
+
+def _kernel_dtype(dtype: torch.dtype) -> bool:
+    """float32; and bfloat16 where the CPU has no bfloat16 arithmetic: the kernels widen it
+    and compute in float32 (where it has, torch's oneDNN bfloat16 paths stay)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not has_bf16_arithmetic())
+
+
 def packed_linear_available(dtype: torch.dtype) -> bool:
-    """Whether `packed_linear` serves this dtype here: float32, on a level where it was
-    measured faster than torch's matmul (AVX-512 and AVX2). Elsewhere torch's matmul stays."""
-    build = loaded_build() if dtype == torch.float32 else None
+    """Whether `packed_linear` serves this dtype here (float32, and bfloat16 without bfloat16
+    arithmetic), on a level where it was measured faster than torch's matmul (AVX-512 and
+    AVX2). Elsewhere torch's matmul stays."""
+    build = loaded_build() if _kernel_dtype(dtype) else None
     return build is not None and build.fast
 
 
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention_` serves this model: float32, head_dim a multiple of the
-    kernel's K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where it was measured
-    faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
-    build = loaded_build() if dtype == torch.float32 else None
+    """Whether `prefill_attention_` serves this model: float32 (bfloat16 without bfloat16
+    arithmetic attends in float32: layers/attention.py), head_dim a multiple of the kernel's
+    K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where it was measured faster
+    than torch's SDPA. Elsewhere prompts attend through SDPA."""
+    build = loaded_build() if _kernel_dtype(dtype) else None
     return build is not None and build.fast and head_dim % build.prefill_panel == 0
 
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc.kernels import cpu_kernels_available, packed_block_size, packed_linear_available
+from engine_svc.kernels import (
+    cpu_kernels_available,
+    has_bf16_arithmetic,
+    packed_block_size,
+    packed_linear_available,
+)
 from engine_svc.kernels.loader import loaded_build
 from engine_svc.layers.linear import Projection
 
@@ -39,8 +44,8 @@ def _lanes() -> int:
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 128, 129, 600])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 576), (960, 1536)])
-# Blocks of 2, 3 and 4 vectors take the register tile up to 128 rows; 40 columns, a width
-# it has no tile for, take brgemm at every row count.
+# On AVX-512, blocks of 2, 3 and 4 vectors take the register tile up to 128 rows; 40
+# columns, a width it has no tile for, take brgemm at every row count (as all do on AVX2).
 @pytest.mark.parametrize("vectors", [2, 3, 4, None])
 def test_packed_linear_is_as_close_as_torch_to_float64(
     rows: int, out_features: int, in_features: int, vectors: int | None
@@ -84,7 +89,8 @@ def test_bad_inputs_raise_errors_that_name_the_problem() -> None:
         (lambda: torch.ops.duoserve.packed_linear(torch.randn(3, 65), packed, 96, None), "65"),
         (lambda: torch.ops.duoserve.packed_linear(x, packed, 200, None), "out_features"),
         (lambda: torch.ops.duoserve.packed_linear(x, packed, 96, bias[:5]), "bias"),
-        (lambda: torch.ops.duoserve.pack_linear_weight(weight.half(), 48), "float32"),
+        (lambda: torch.ops.duoserve.pack_linear_weight(weight.half(), 48), "bfloat16"),
+        (lambda: torch.ops.duoserve.packed_linear(x.bfloat16(), packed, 96, None), "float32"),
     ]
     for call, words in cases:
         with pytest.raises(RuntimeError, match=words):
@@ -136,9 +142,50 @@ def test_a_tied_projection_keeps_the_shared_weight() -> None:
     assert (head(x) - expected).abs().max().item() < 1e-5
 
 
-def test_only_float32_is_packed() -> None:
-    assert not packed_linear_available(torch.bfloat16)
+def test_bfloat16_is_packed_only_where_torch_has_no_bfloat16_arithmetic() -> None:
+    build = loaded_build()
+    assert build is not None
+    assert packed_linear_available(torch.float32) == build.fast
+    assert packed_linear_available(torch.bfloat16) == (build.fast and not has_bf16_arithmetic())
     assert not packed_linear_available(torch.float16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 1536)])
+def test_bfloat16_weights_multiply_in_float32_and_round_once(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    weight, bias = (t.bfloat16() for t in _weights(out_features, in_features))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    packed = torch.ops.duoserve.pack_linear_weight(weight, 3 * _lanes())
+    assert packed.dtype == torch.bfloat16  # half the bytes of float32 stream per step
+    for with_bias in (None, bias):
+        result = torch.ops.duoserve.packed_linear(x, packed, out_features, with_bias)
+        assert result.dtype == torch.bfloat16 and result.shape == (rows, out_features)
+        # Products of bfloat16 values are exact in float32 and float64; float32 sums of them,
+        # rounded to bfloat16 once, are within half a bfloat16 ulp (2^-8 relative) of the
+        # exact value, plus the float32 sum's own rounding.
+        exact = F.linear(x.double(), weight.double(), None if with_bias is None else bias.double())
+        assert ((result.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+        # torch's bfloat16 matmul rounds the same float32 sums: equal but where the two
+        # summation orders fall either side of a rounding boundary.
+        same = (result == F.linear(x, weight, with_bias)).double().mean().item()
+        assert same > 0.97, same
+
+
+def test_a_bfloat16_projection_with_a_bias_packs_to_the_same_outputs() -> None:
+    weight, bias = (t.bfloat16() for t in _weights(300, 128))
+    projection = Projection(128, 300, bias=True).bfloat16()
+    projection.weight.data.copy_(weight)
+    projection.bias.data.copy_(bias)  # type: ignore[union-attr]
+    projection.transpose()
+    x = torch.randn(9, 128).bfloat16()
+    expected = projection(x).double()
+    projection.pack()
+    assert projection.weight_packed is not None
+    assert projection.weight_packed.dtype == torch.bfloat16
+    got = projection(x).double()
+    assert ((got - expected).abs() <= expected.abs() * 2**-7 + 1e-3).all()
 
 
 def test_an_untied_head_in_nn_linear_layout_is_packed_in_place_of_its_weight() -> None:

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "gemm_tile.h"
 
@@ -48,10 +49,12 @@ constexpr int64_t kMaxRegisterTileRows = 0;
 #endif
 
 
-// weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded.
+// weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded, in the
+// weight's dtype (float32, or bfloat16: see packed_linear).
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "packed linear weights are float32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "packed linear weights are float32 or bfloat16");
   TORCH_CHECK(block >= 1, "block must be >= 1");
   const int64_t n = weight.size(0);
   const int64_t k = weight.size(1);
@@ -62,11 +65,74 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   return padded.view({num_blocks, block, k}).transpose(1, 2).contiguous();
 }
 
+// A float32 panel as brgemm reads it: float32 weights as they are; bfloat16 ones widened
+// into the thread's scratch first (exact), once per row tile.
+inline const float* float_panel(const float* panel, int64_t, std::vector<float>&) {
+  return panel;
+}
+
+inline const float* float_panel(const at::BFloat16* panel, int64_t size,
+                                std::vector<float>& scratch) {
+  scratch.resize(size);
+  widen_bf16(panel, scratch.data(), size);
+  return scratch.data();
+}
+
+// C = A . W (+ bias) with brgemm, row tiles of kRowTile over the threads' column blocks.
+template <typename W>
+void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64_t num_blocks,
+                 int64_t k, int64_t block, const float* bias, float* c, int64_t n) {
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m - m0);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * block;
+        const int64_t cols = std::min(block, n - n0);
+        float* tile = c + m0 * n + n0;
+        if (bias != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
+          for (int64_t r = 0; r < rows; ++r) std::copy_n(bias + n0, cols, tile + r * n);
+        }
+        const float* panel = float_panel(weights + b * k * block, k * block, scratch);
+        at::native::cpublas::brgemm(rows, cols, k, lda, block, n, bias != nullptr,
+                                    a + m0 * lda, panel, tile, /*is_vnni=*/false);
+      }
+    }
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  });
+}
+
+// bfloat16 weights where the CPU has no bfloat16 arithmetic (AVX2, AVX-512 without
+// AVX512-BF16): torch's bfloat16 matmul runs a scalar loop there (1.2 GFLOP/s at 64 rows
+// on AVX2, 70x slower than float32). Half the bytes stream from memory, each panel is
+// widened to float32 in cache, and the products and sums run in float32, rounded to
+// bfloat16 once at the end, as torch's bfloat16 matmul rounds.
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                              const std::optional<at::Tensor>& bias) {
+  const at::Tensor a = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bias32 =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
+                       : std::nullopt;
+  auto out = at::empty({a.size(0), n}, a.options());
+  if (a.size(0) > 0) {
+    brgemm_rows(a.data_ptr<float>(), a.stride(0), a.size(0),
+                packed.data_ptr<at::BFloat16>(),
+                packed.size(0), packed.size(1), packed.size(2),
+                bias32.has_value() ? bias32->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                n);
+  }
+  return out.to(at::kBFloat16);
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, in]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous(),
-              "packed must be a contiguous float32 [blocks, in_features, block]");
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(packed.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  packed.is_contiguous(),
+              "packed must be a contiguous float32 or bfloat16 [blocks, in_features, block]");
+  const char* dtype_name = dtype == at::kFloat ? "float32" : "bfloat16";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "x must be ", dtype_name,
+              " [rows, in], the packed weight's dtype");
   const int64_t m = x.size(0);
   const int64_t k = packed.size(1);
   const int64_t block = packed.size(2);
@@ -75,10 +141,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(n >= 1 && n <= packed.size(0) * block && n > (packed.size(0) - 1) * block,
               "out_features does not match the packed weight");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->scalar_type() == at::kFloat &&
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->scalar_type() == dtype &&
                     bias->is_contiguous(),
-                "bias must be contiguous float32 [out_features]");
+                "bias must be contiguous ", dtype_name, " [out_features]");
   }
+  if (dtype == at::kBFloat16) return packed_linear_bf16(x, packed, n, bias);
   const at::Tensor a = x.stride(1) == 1 ? x : x.contiguous();
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
@@ -102,23 +169,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     });
     return out;
   }
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
-      const int64_t rows = std::min(kRowTile, m - m0);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * block;
-        const int64_t cols = std::min(block, n - n0);
-        float* c = c_ptr + m0 * n + n0;
-        if (bias_ptr != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
-          for (int64_t r = 0; r < rows; ++r) std::copy_n(bias_ptr + n0, cols, c + r * n);
-        }
-        at::native::cpublas::brgemm(rows, cols, k, lda, block, n, bias_ptr != nullptr,
-                                    a_ptr + m0 * lda, b_ptr + b * k * block, c,
-                                    /*is_vnni=*/false);
-      }
-    }
-    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
-  });
+  brgemm_rows(a_ptr, lda, m, b_ptr, packed.size(0), k, block, bias_ptr, c_ptr, n);
   return out;
 }
 

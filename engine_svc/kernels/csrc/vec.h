@@ -96,6 +96,32 @@ inline float reduce_max(fvec v) {
 
 inline void prefetch_l2(const void* address) { __builtin_prefetch(address, 0, 2); }
 
+// kLanes bfloat16 values as float32: exact, a bfloat16 being the top half of a float32's
+// bits (a zero-extend and a shift; ATen's generic conversion ran at ~1 value per cycle).
+inline vreg load_bf16(const at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#elif defined(__aarch64__)
+  const uint16x4_t half = vld1_u16(reinterpret_cast<const uint16_t*>(p));
+  return vreinterpretq_f32_u32(vshll_n_u16(half, 16));
+#else
+  __at_align__ float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return fvec::loadu(lanes);
+#endif
+}
+
+// n bfloat16 values as float32.
+inline void widen_bf16(const at::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) fvec(load_bf16(src + i)).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // exp(x): n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 Taylor
 // polynomial for exp(r) on |r| <= ln2 / 2, scaled by 2^n through the exponent bits. Within
 // 2 ulp of expf down to FLT_MIN (results below it are 0, as softmax and silu can take);
