@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_svc.bench.machine import has_bf16_arithmetic
+from engine_svc.kernels.loader import torch_bf16_matmul_is_scalar
 
 GEMM_SIZE = 2048
 GEMM_REPEATS = 2
@@ -40,11 +40,10 @@ def measure_ceilings(dtype: torch.dtype = torch.float32) -> Ceilings:
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype whose GEMM bounds a model of `dtype`: bfloat16 where the CPU multiplies it
-    (AVX512-BF16, AMX-BF16); float32 where it cannot, as the engine then computes in
-    float32 over bfloat16 weights (torch's own bfloat16 GEMM is a scalar loop there, about
-    1 GFLOP/s on AVX2: no ceiling, and minutes to measure)."""
-    if dtype == torch.bfloat16 and not has_bf16_arithmetic():
+    """The dtype whose GEMM bounds a model of `dtype`: float32 for bfloat16 where torch's
+    bfloat16 GEMM is a scalar loop (AVX2: about 1 GFLOP/s, no ceiling, and minutes to
+    measure), as the engine then computes in float32 over bfloat16 weights."""
+    if dtype == torch.bfloat16 and torch_bf16_matmul_is_scalar():
         return torch.float32
     return dtype
 

@@ -53,9 +53,9 @@ def cpu_flags() -> list[str]:
 def has_bf16_arithmetic() -> bool:
     """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16), as an
     `--isa` cap leaves it (capped at AVX2, oneDNN uses neither)."""
-    from engine_svc.kernels.loader import has_bf16_arithmetic as flags_have_it
-
-    return flags_have_it(cpu_flags())
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2":
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
 def identity() -> dict[str, str | None]:

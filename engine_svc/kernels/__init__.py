@@ -3,8 +3,8 @@
 `paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
 `add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
-causal attention of a step's prompt chunks (float32; bfloat16 where the CPU has no
-bfloat16 arithmetic, computed in float32). All live in
+causal attention of a step's prompt chunks (float32; `packed_linear` also takes bfloat16
+weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar). All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
@@ -18,19 +18,19 @@ to float rounding.
 from engine_svc.kernels.loader import (
     cpu_kernels_available,
     describe,
-    has_bf16_arithmetic,
     packed_block_size,
     packed_linear_available,
     paged_decode_attention,
     prefill_attention_available,
+    torch_bf16_matmul_is_scalar,
 )
 
 __all__ = [
     "cpu_kernels_available",
     "describe",
-    "has_bf16_arithmetic",
     "packed_block_size",
     "packed_linear_available",
     "paged_decode_attention",
     "prefill_attention_available",
+    "torch_bf16_matmul_is_scalar",
 ]

@@ -10,7 +10,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -174,35 +173,36 @@ def _build(level: str) -> None:
     logger.info("CPU kernels built in %.1f s", time.perf_counter() - began)
 
 
-def has_bf16_arithmetic(flags: Collection[str] | None = None) -> bool:
-    """Whether torch multiplies bfloat16 matrices in hardware on this CPU (`flags`, else
-    /proc/cpuinfo's): AVX512-BF16 or AMX-BF16, through oneDNN, unless oneDNN is held to AVX2
-    (`make bench ARGS="--isa avx2"`). Elsewhere its bfloat16 matmul is a scalar loop, 70x
-    slower than float32 on AVX2."""
+@functools.cache
+def torch_bf16_matmul_is_scalar() -> bool:
+    """Whether torch's bfloat16 matmul is a scalar loop here: oneDNN has no bfloat16 kernel
+    for this CPU (torch's own check: AVX-512, AVX512-BF16, AMX and Arm's BF16 have one,
+    AVX2 has none), or oneDNN is held to AVX2 (`make bench ARGS="--isa avx2"`). Decided
+    once per process, for the projections and attention alike."""
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(_cpu_flags() if flags is None else flags))
+        return True
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _kernel_dtype(dtype: torch.dtype) -> bool:
-    """float32; and bfloat16 where the CPU has no bfloat16 arithmetic: the kernels widen it
-    and compute in float32 (where it has, torch's oneDNN bfloat16 paths stay)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and not has_bf16_arithmetic())
+    """float32; and bfloat16 where torch's bfloat16 matmul is a scalar loop: the kernels
+    widen it and compute in float32 (elsewhere torch's oneDNN bfloat16 paths stay)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch_bf16_matmul_is_scalar())
 
 
 def packed_linear_available(dtype: torch.dtype) -> bool:
-    """Whether `packed_linear` serves this dtype here (float32, and bfloat16 without bfloat16
-    arithmetic), on a level where it was measured faster than torch's matmul (AVX-512 and
-    AVX2). Elsewhere torch's matmul stays."""
+    """Whether `packed_linear` serves this dtype here (float32, and bfloat16 where torch's
+    bfloat16 matmul is scalar), on a level where it was measured faster than torch's
+    matmul (AVX-512 and AVX2). Elsewhere torch's matmul stays."""
     build = loaded_build() if _kernel_dtype(dtype) else None
     return build is not None and build.fast
 
 
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention_` serves this model: float32 (bfloat16 without bfloat16
-    arithmetic attends in float32: layers/attention.py), head_dim a multiple of the kernel's
-    K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where it was measured faster
-    than torch's SDPA. Elsewhere prompts attend through SDPA."""
+    """Whether `prefill_attention_` serves this model: float32 (bfloat16, where torch's
+    bfloat16 matmul is scalar, attends in float32: layers/attention.py), head_dim a
+    multiple of the kernel's K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where
+    it was measured faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
     build = loaded_build() if _kernel_dtype(dtype) else None
     return build is not None and build.fast and head_dim % build.prefill_panel == 0
 

@@ -22,12 +22,11 @@ kernels are off for such models).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from engine_svc.kernels import has_bf16_arithmetic, paged_decode_attention
+from engine_svc.kernels import paged_decode_attention, torch_bf16_matmul_is_scalar
 
 SOFTCAP_QUERY_BLOCK = 256  # queries per block of soft-capped attention
 
@@ -137,7 +136,7 @@ def paged_attention(
         starts, lens = meta.prefill_kernel.query_starts, meta.prefill_kernel.query_lens
         if q.dtype == torch.float32:
             torch.ops.duoserve.prefill_attention_(out, q, k, v, starts, lens, scale, window or 0)
-        else:  # bfloat16 without bfloat16 arithmetic: the kernel runs in float32
+        else:  # bfloat16 where torch's is scalar: the kernel runs in float32
             out32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
             q32, k32, v32 = q.float(), k.float(), v.float()
             torch.ops.duoserve.prefill_attention_(
@@ -249,14 +248,10 @@ def _attend(
 
 
 def _attends_in_float32(q: torch.Tensor) -> bool:
-    """bfloat16 attention on a CPU without bfloat16 arithmetic runs in float32: torch's
-    bfloat16 SDPA there is 3x slower than its float32 one (a 128-token prompt, AVX2)."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_lacks_bf16()
-
-
-@functools.cache
-def _cpu_lacks_bf16() -> bool:
-    return not has_bf16_arithmetic()
+    """bfloat16 attention on a CPU where torch multiplies bfloat16 in scalar code runs in
+    float32: torch's bfloat16 SDPA there is 3x slower than its float32 one (a 128-token
+    prompt, AVX2)."""
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch_bf16_matmul_is_scalar()
 
 
 def _softcapped_attention(

@@ -1,5 +1,5 @@
-"""bfloat16 models on CPU. Where the CPU has no bfloat16 arithmetic (AVX2, AVX-512 without
-AVX512-BF16) torch's bfloat16 matmul is a scalar loop, so the engine keeps bfloat16 weights
+"""bfloat16 models on CPU. Where oneDNN has no bfloat16 kernel (AVX2) torch's bfloat16
+matmul is a scalar loop, so the engine keeps bfloat16 weights
 and caches (half the bytes) and computes projections and prompt attention in float32
 through the kernels, rounding to bfloat16 where torch would. bfloat16 greedy decoding is
 full of near-ties (logits carry 8 significant bits), so the check is teacher-forced: at
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.kernels import cpu_kernels_available, has_bf16_arithmetic
+from engine_svc.kernels import packed_linear_available
 from engine_svc.layers.linear import Projection
 from tests.engine_svc.engine_helpers import assert_kv_cache_clean
 from tests.engine_svc.hf_reference import hf_token_logprobs
@@ -41,7 +41,7 @@ def test_bfloat16_greedy_tokens_are_hf_bfloat16_argmax_or_a_near_tie(
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", cpu_kernels=cpu_kernels)
     runner = llm.engine_core.executor.runner
     packed = [m for m in runner.model.modules() if isinstance(m, Projection)]
-    kernels_serve_bf16 = cpu_kernels and cpu_kernels_available() and not has_bf16_arithmetic()
+    kernels_serve_bf16 = cpu_kernels and packed_linear_available(torch.bfloat16)
     # Where the kernels serve bfloat16, every projection streams packed bfloat16 weights.
     assert all(
         (p.weight_packed is not None and p.weight_packed.dtype == torch.bfloat16)

@@ -102,9 +102,8 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
   });
 }
 
-// bfloat16 weights where the CPU has no bfloat16 arithmetic (AVX2, AVX-512 without
-// AVX512-BF16): torch's bfloat16 matmul runs a scalar loop there (1.2 GFLOP/s at 64 rows
-// on AVX2, 70x slower than float32). Half the bytes stream from memory, each panel is
+// bfloat16 weights where torch's bfloat16 matmul runs a scalar loop (AVX2, where oneDNN has
+// no bfloat16 kernel: 1.2 GFLOP/s at 64 rows, 70x slower than float32). Half the bytes stream from memory, each panel is
 // widened to float32 in cache, and the products and sums run in float32, rounded to
 // bfloat16 once at the end, as torch's bfloat16 matmul rounds.
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
