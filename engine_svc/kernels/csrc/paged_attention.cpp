@@ -66,13 +66,6 @@ struct CachedRows {
     }
   }
 
-  // The task's part of the row of the index-th token read.
-  template <typename scalar_t>
-  const scalar_t* at(const scalar_t* cache, int64_t index) const {
-    const int64_t token = first + index;
-    return cache + (table[token / block_size] * block_size + token % block_size) * row + offset;
-  }
-
   template <typename scalar_t>
   void prefetch(const scalar_t* cache, int64_t block_index) const {
     constexpr int64_t kLine = 64 / sizeof(scalar_t);
@@ -81,6 +74,45 @@ struct CachedRows {
       for (int64_t e = 0; e < span; e += kLine) __builtin_prefetch(rows + r * row + e);
     }
   }
+};
+
+// The task's part of each token's row, token after token from rows.first: a division per
+// block rather than per token (it cost more than the token's dot products). Entering a block
+// prefetches the next one: the hardware prefetchers do not follow the table.
+template <typename scalar_t>
+class RowCursor {
+ public:
+  RowCursor(const CachedRows& rows, const scalar_t* cache)
+      : rows_(rows),
+        cache_(cache),
+        block_(rows.first / rows.block_size),
+        in_block_(rows.first % rows.block_size),
+        last_block_((rows.context_len - 1) / rows.block_size) {
+    rows.prefetch(cache, block_);  // a window may start inside a block
+    enter_block();
+  }
+
+  const scalar_t* next() {
+    const scalar_t* row = block_rows_ + in_block_ * rows_.row;
+    if (++in_block_ == rows_.block_size) {
+      in_block_ = 0;
+      if (++block_ <= last_block_) enter_block();
+    }
+    return row;
+  }
+
+ private:
+  void enter_block() {
+    block_rows_ = cache_ + (rows_.table[block_] * rows_.block_size) * rows_.row + rows_.offset;
+    if (block_ < last_block_) rows_.prefetch(cache_, block_ + 1);
+  }
+
+  const CachedRows& rows_;
+  const scalar_t* cache_;
+  int64_t block_;
+  int64_t in_block_;
+  int64_t last_block_;
+  const scalar_t* block_rows_ = nullptr;
 };
 
 template <typename scalar_t>
@@ -178,24 +210,12 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
     }
   }
 
-  // Scores, kLanes tokens at a time. Blocks are prefetched one block (or chunk) ahead.
-  const int64_t block_size = rows.block_size;
-  const int64_t lead = std::max<int64_t>(block_size, kLanes);
-  // The blocks that start among the tokens read [from, to) (counted from rows.first).
-  auto prefetch_blocks_in = [&](int64_t from, int64_t to) {
-    const int64_t end = rows.first + std::min(to, len);
-    for (int64_t b = (rows.first + from + block_size - 1) / block_size * block_size; b < end;
-         b += block_size) {
-      rows.prefetch(k_cache, b / block_size);
-    }
-  };
-  rows.prefetch(k_cache, rows.first / block_size);  // a window may start inside a block
-  prefetch_blocks_in(0, lead);
+  // Scores, kLanes tokens at a time.
+  RowCursor<float> keys(rows, k_cache);
   const float* chunk_rows[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, len - start);
-    for (int64_t t = 0; t < count; ++t) chunk_rows[t] = rows.at(k_cache, start + t);
-    prefetch_blocks_in(start + lead, start + lead + kLanes);
+    for (int64_t t = 0; t < count; ++t) chunk_rows[t] = keys.next();
     for (int g = 0; g < kGroup; ++g) {
       vreg dots[kLanes];
       for (int64_t t = 0; t < kLanes; ++t) {
