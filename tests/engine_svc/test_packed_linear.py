@@ -152,14 +152,17 @@ def test_bfloat16_is_packed_only_where_torch_has_no_bfloat16_arithmetic() -> Non
     assert not packed_linear_available(torch.float16)
 
 
+# One row takes a kernel of its own (widening in registers, k split over two sums): every
+# block width it is compiled for, and an odd in_features for its last step.
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 1536)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 1536), (70, 333)])
+@pytest.mark.parametrize("vectors", [2, 3, 4])
 def test_bfloat16_weights_multiply_in_float32_and_round_once(
-    rows: int, out_features: int, in_features: int
+    rows: int, out_features: int, in_features: int, vectors: int
 ) -> None:
     weight, bias = (t.bfloat16() for t in _weights(out_features, in_features))
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
-    packed = torch.ops.duoserve.pack_linear_weight(weight, 3 * _lanes())
+    packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
     assert packed.dtype == torch.bfloat16  # half the bytes of float32 stream per step
     for with_bias in (None, bias):
         result = torch.ops.duoserve.packed_linear(x, packed, out_features, with_bias)
