@@ -76,9 +76,9 @@ struct CachedRows {
   }
 };
 
-// The task's part of each token's row, token after token from rows.first: a division per
-// block rather than per token (it cost more than the token's dot products). Entering a block
-// prefetches the next one: the hardware prefetchers do not follow the table.
+// The task's part of each token's row, token after token from rows.first, stepping through
+// the block table: no division per token (it cost more than the token's dot products).
+// Entering a block prefetches the next one: the hardware prefetchers do not follow the table.
 template <typename scalar_t>
 class RowCursor {
  public:
