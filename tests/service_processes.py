@@ -33,10 +33,21 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A 127.0.0.1 port nothing listens on that this process has not handed out before: the
+    kernel may give the port a closed probe socket had to the very next probe, and a service
+    once got the same port for its gRPC API and its metrics (bind failed: in use)."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise AssertionError("no free port left that this process has not handed out")
 
 
 def three_free_ports() -> int:
