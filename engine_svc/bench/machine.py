@@ -53,7 +53,7 @@ def cpu_flags() -> list[str]:
 def has_bf16_arithmetic() -> bool:
     """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16), as an
     `--isa` cap leaves it (capped at AVX2, oneDNN uses neither)."""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2":
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":  # as the loader reads it
         return False
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
