@@ -158,6 +158,18 @@ class ServiceProcess:
             if sample.name == name and labels.items() <= sample.labels.items()
         )
 
+    def metric_total_reaching(
+        self, name: str, expected: float, timeout_s: float = 10.0, **labels: str
+    ) -> float:
+        """metric_total once it reaches `expected`, or at the deadline. A server counts a call
+        after its status has gone out, so the client can see the status before the count."""
+        deadline = time.monotonic() + timeout_s
+        total = self.metric_total(name, **labels)
+        while total < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+            total = self.metric_total(name, **labels)
+        return total
+
     def pause(self) -> bool:
         """Pause generation (PauseGeneration returns once no rank schedules any more).
         True if some request is in the engine then: it gains no token until resume()."""

@@ -231,7 +231,10 @@ def test_a_string_field_that_is_not_utf8_is_invalid_argument_naming_the_type(
             f"request is not a valid {type_name}: a string field is not valid UTF-8"
         )
         # Counted like any refusal, and the engine keeps serving.
-        assert service.metric_total("grpc_server_handled_total", **refused) == refused_before + 1
+        handled = service.metric_total_reaching(
+            "grpc_server_handled_total", refused_before + 1, **refused
+        )
+        assert handled == refused_before + 1
         good = list(engine_stub(channel).Generate(GOOD, timeout=30))
         assert sum(len(r.token_ids) for r in good) == 2
     assert service.process.poll() is None

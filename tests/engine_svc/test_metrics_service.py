@@ -101,6 +101,11 @@ def test_every_request_and_token_is_accounted_for(service: ServiceProcess) -> No
     results, rejected = run_async(body)
     assert [r.code for r in results] == [None] * len(results)
     assert rejected.code == grpc.StatusCode.INVALID_ARGUMENT
+    # A call is counted after its status went out: wait for the last ones' counts.
+    service.metric_total_reaching("grpc_server_handled_total", 1, grpc_code="InvalidArgument")
+    service.metric_total_reaching(
+        "grpc_server_handled_total", len(results), grpc_method="Generate", grpc_code="OK"
+    )
     text = _scrape(service)
     samples = _samples(text)
     for spec in catalog.ALL_METRICS:

@@ -80,6 +80,8 @@ def test_each_client_request_is_counted_once_by_the_frontend(stack: Stack) -> No
     finals = run_async(lambda: _load(stack.frontend.address, requests))
     completion_tokens = sum(final.usage.completion_tokens for final in finals)
     assert completion_tokens == 6 * MAX_TOKENS
+    # A call is counted after its status went out: wait for the last one's count.
+    stack.frontend.metric_total_reaching("grpc_server_handled_total", len(requests))
     frontend = _totals(stack.frontend.metrics_url)
     assert frontend["vllm:request_success_total"] == 5  # n=2 is one client request
     assert frontend["vllm:time_to_first_token_seconds_count"] == 5
