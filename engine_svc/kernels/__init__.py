@@ -4,7 +4,8 @@
 `add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
 causal attention of a step's prompt chunks (float32; `packed_linear` also takes bfloat16
-weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar). All live in
+weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
+oneDNN's, `row_gemv` takes a bfloat16 projection's single rows). All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
@@ -22,6 +23,7 @@ from engine_svc.kernels.loader import (
     packed_linear_available,
     paged_decode_attention,
     prefill_attention_available,
+    row_gemv_available,
     torch_bf16_matmul_is_scalar,
 )
 
@@ -32,5 +34,6 @@ __all__ = [
     "packed_linear_available",
     "paged_decode_attention",
     "prefill_attention_available",
+    "row_gemv_available",
     "torch_bf16_matmul_is_scalar",
 ]

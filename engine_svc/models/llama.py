@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.distributed.collectives import SINGLE, Collectives
-from engine_svc.kernels import packed_linear_available
+from engine_svc.kernels import packed_linear_available, row_gemv_available
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
 from engine_svc.layers.linear import Projection
 from engine_svc.layers.moe import SparseMoE
@@ -293,12 +293,16 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, enabled: bool, dtype: torch.dtype) -> None:
         """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU
         kernels' single passes, and the projections on packed weights where that kernel
-        serves the dtype."""
+        serves the dtype (bfloat16 where torch's matmul is oneDNN's: a single row through
+        the row GEMV, more rows through torch)."""
         self.fused_ops = enabled
         packed = enabled and packed_linear_available(dtype)
+        row_gemv = enabled and row_gemv_available(dtype)
         for module in self.modules():
             if isinstance(module, Projection) and packed:
                 module.pack()
+            elif isinstance(module, Projection) and row_gemv:
+                module.use_row_gemv()
             elif isinstance(module, RMSNorm):
                 # The C++ pass casts before the weight, as most families do.
                 if enabled and not (module.weight_in_float32 and dtype != torch.float32):

@@ -20,7 +20,11 @@ from torch.utils import cpp_extension
 from engine_svc.kernels import build, loader
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/engine_svc/test_cpu_kernels.py", "tests/engine_svc/test_packed_linear.py"]
+KERNEL_TESTS = [
+    "tests/engine_svc/test_cpu_kernels.py",
+    "tests/engine_svc/test_packed_linear.py",
+    "tests/engine_svc/test_row_gemv.py",
+]
 # Greedy outputs against Hugging Face with the level's kernels: the tiny model (packed
 # projections, no vectorized attention at head_dim 16) and the default model (all paths).
 EXACTNESS_TESTS = [
