@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 
@@ -185,9 +186,10 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
 }
 
 
-// The float32 path on Vectorized<float> (vec.h), for the head sizes below (compile-time
-// widths, so the accumulators can live in registers). Per KV head, `kGroup` query heads at
-// a time:
+// The vector path on Vectorized<float> (vec.h), for float32 and bfloat16 caches (bfloat16
+// rows widened to float32 as they are loaded; the math in float32 either way) and the head
+// sizes below (compile-time widths, so the accumulators can live in registers). Per KV head,
+// `kGroup` query heads at a time:
 // - scores kLanes tokens at a time: each token's dot product folds into one vector, and
 //   one transpose-and-add tree turns the kLanes vectors into the kLanes scores (in place
 //   of kLanes horizontal sums);
@@ -195,10 +197,20 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
 // - the weighted sum of V with the query heads' accumulators in registers.
 namespace decode_vec {
 
-template <int kDim, int kGroup>
-void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const float* __restrict k_cache,
-                    const float* __restrict v_cache, const CachedRows& rows, float scale,
-                    float* __restrict out, float* __restrict scores) {
+inline vreg load_float(const float* p) { return fvec::loadu(p); }
+inline vreg load_float(const at::BFloat16* p) { return load_bf16(p); }
+
+inline void store_as(fvec v, float* p) { v.store(p); }
+inline void store_as(fvec v, at::BFloat16* p) {  // rounded to nearest even, as torch rounds
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  at::vec::convert(lanes, p, kLanes);
+}
+
+template <int kDim, int kGroup, typename T>
+void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
+                    const T* __restrict v_cache, const CachedRows& rows, float scale,
+                    T* __restrict out, float* __restrict scores) {
   constexpr int kVecs = kDim / kLanes;
   const int64_t len = rows.count();
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
@@ -206,13 +218,13 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
   vreg query[kGroup][kVecs];  // scaled, so the dot products are the scores
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) {
-      query[g][i] = fvec::loadu(q + g * q_head_stride + kLanes * i) * fvec(scale);
+      query[g][i] = fvec(load_float(q + g * q_head_stride + kLanes * i)) * fvec(scale);
     }
   }
 
   // Scores, kLanes tokens at a time.
-  RowCursor<float> keys(rows, k_cache);
-  const float* chunk_rows[kLanes];
+  RowCursor<T> keys(rows, k_cache);
+  const T* chunk_rows[kLanes];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, len - start);
     for (int64_t t = 0; t < count; ++t) chunk_rows[t] = keys.next();
@@ -223,9 +235,9 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
           dots[t] = fvec(0.0f);
           continue;
         }
-        vreg sum = fvec(query[g][0]) * fvec::loadu(chunk_rows[t]);
+        vreg sum = fvec(query[g][0]) * fvec(load_float(chunk_rows[t]));
         for (int i = 1; i < kVecs; ++i) {
-          sum = fmadd(query[g][i], fvec::loadu(chunk_rows[t] + kLanes * i), sum);
+          sum = fmadd(query[g][i], load_float(chunk_rows[t] + kLanes * i), sum);
         }
         dots[t] = sum;
       }
@@ -259,9 +271,9 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) acc[g][i] = fvec(0.0f);
   }
-  rows.for_each(v_cache, [&](int64_t t, const float* __restrict value) {
+  rows.for_each(v_cache, [&](int64_t t, const T* __restrict value) {
     vreg v[kVecs];
-    for (int i = 0; i < kVecs; ++i) v[i] = fvec::loadu(value + kLanes * i);
+    for (int i = 0; i < kVecs; ++i) v[i] = load_float(value + kLanes * i);
     for (int g = 0; g < kGroup; ++g) {
       const vreg p = fvec(scores[g * padded + t]);
       for (int i = 0; i < kVecs; ++i) acc[g][i] = fmadd(p, v[i], acc[g][i]);
@@ -269,7 +281,7 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
   });
   for (int g = 0; g < kGroup; ++g) {
     const fvec inv(inv_sum[g]);
-    for (int i = 0; i < kVecs; ++i) (fvec(acc[g][i]) * inv).store(out + g * kDim + kLanes * i);
+    for (int i = 0; i < kVecs; ++i) store_as(fvec(acc[g][i]) * inv, out + g * kDim + kLanes * i);
   }
 }
 
@@ -277,21 +289,20 @@ void attend_kv_head(const float* __restrict q, int64_t q_head_stride, const floa
 template <int kDim>
 constexpr int max_group() { return std::max(1, kVectorRegisters / 2 / (kDim / kLanes)); }
 
-template <int kDim, int kGroup = max_group<kDim>()>
-void attend_heads(const float* q, int64_t q_head_stride, const float* k_cache,
-                  const float* v_cache, const CachedRows& rows, float scale, float* out,
-                  float* scores, int64_t heads) {
+template <typename T, int kDim, int kGroup = max_group<kDim>()>
+void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                  const CachedRows& rows, float scale, T* out, float* scores, int64_t heads) {
   if constexpr (kGroup > 1) {
     if (heads < kGroup) {
-      attend_heads<kDim, kGroup - 1>(q, q_head_stride, k_cache, v_cache, rows, scale, out, scores,
-                                     heads);
+      attend_heads<T, kDim, kGroup - 1>(q, q_head_stride, k_cache, v_cache, rows, scale, out,
+                                        scores, heads);
       return;
     }
   }
   for (int64_t g = 0; g < heads; g += kGroup) {
     if (heads - g < kGroup) {
-      attend_heads<kDim>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows, scale,
-                         out + g * kDim, scores, heads - g);
+      attend_heads<T, kDim>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows, scale,
+                            out + g * kDim, scores, heads - g);
       return;
     }
     attend_kv_head<kDim, kGroup>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows,
@@ -301,16 +312,18 @@ void attend_heads(const float* q, int64_t q_head_stride, const float* k_cache,
 
 constexpr int kMaxGroup = max_group<64>();  // the most heads a pass holds, for the scores
 
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, const CachedRows&,
-                          float, float*, float*, int64_t);
+template <typename T>
+using AttendFn = void (*)(const T*, int64_t, const T*, const T*, const CachedRows&, float, T*,
+                          float*, int64_t);
 
 // The head sizes with a compiled path (each a multiple of every level's lanes), or null.
-AttendFn attend_fn(int64_t head_dim) {
+template <typename T>
+AttendFn<T> attend_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &attend_heads<64>;
-    case 96: return &attend_heads<96>;
-    case 128: return &attend_heads<128>;
-    case 256: return &attend_heads<256>;
+    case 64: return &attend_heads<T, 64>;
+    case 96: return &attend_heads<T, 96>;
+    case 128: return &attend_heads<T, 128>;
+    case 256: return &attend_heads<T, 256>;
     default: return nullptr;
   }
 }
@@ -364,13 +377,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t num_tasks = num_seqs * tasks_per_seq;
   const int64_t padded_context = (max_context_len + kLanes - 1) / kLanes * kLanes;
   std::atomic<int64_t> next_task{0};
-  const decode_vec::AttendFn attend =
-      q.scalar_type() == at::kFloat ? decode_vec::attend_fn(shape.head_dim) : nullptr;
-  if (attend != nullptr) {
-    const float* q_ptr = q.data_ptr<float>();
-    const float* k_ptr = k_cache.data_ptr<float>();
-    const float* v_ptr = v_cache.data_ptr<float>();
-    float* out_ptr = out.data_ptr<float>();
+  auto run_vector_path = [&](auto* type_tag) -> bool {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const decode_vec::AttendFn<T> attend = decode_vec::attend_fn<T>(shape.head_dim);
+    if (attend == nullptr) return false;
+    const T* q_ptr = q.data_ptr<T>();
+    const T* k_ptr = k_cache.data_ptr<T>();
+    const T* v_ptr = v_cache.data_ptr<T>();
+    T* out_ptr = out.data_ptr<T>();
     const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> scores(decode_vec::kMaxGroup * padded_context);
@@ -385,13 +399,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                 h * shape.head_dim,
                                 shape.head_dim,
                                 first_token(s)};
-          const float* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
-          float* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
+          const T* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
+          T* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
           attend(q_head, shape.q_head_stride, k_ptr, v_ptr, rows, static_cast<float>(scale),
                  out_head, scores.data(), per_kv);
         }
       }
     });
+    return true;
+  };
+  if (q.scalar_type() == at::kFloat && run_vector_path(static_cast<float*>(nullptr))) return out;
+  if (q.scalar_type() == at::kBFloat16 && run_vector_path(static_cast<at::BFloat16*>(nullptr))) {
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(
