@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 
 namespace duoserve {
@@ -131,7 +132,8 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
 
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
 // silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) with a vectorized exp (within
-// 2 ulp of expf, so within a few ulp of torch's silu) in float32; other dtypes, torch's ops.
+// 2 ulp of expf, so within a few ulp of torch's silu) in float32; bfloat16 computed in float32
+// and rounded where torch's two ops round; other dtypes, torch's ops.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [rows, 2 * width], rows contiguous");
@@ -152,6 +154,35 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
           const fvec silu = g / (fvec(1.0f) + exp(fvec(0.0f) - g));
           (silu * fvec::loadu(up + i, count)).store(o + i, count);
         }
+      }
+    });
+    return out;
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+    auto out = at::empty({rows, width}, x.options());
+    const at::BFloat16* in = x.data_ptr<at::BFloat16>();
+    at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+    const int64_t row_stride = x.stride(0);
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> gate(width), up(width);
+      std::vector<at::BFloat16> silu(width);
+      for (int64_t r = begin; r < end; ++r) {
+        widen_bf16(in + r * row_stride, gate.data(), width);
+        widen_bf16(in + r * row_stride + width, up.data(), width);
+        for (int64_t i = 0; i < width; i += kLanes) {
+          const int64_t count = std::min<int64_t>(kLanes, width - i);
+          const fvec g = fvec::loadu(gate.data() + i, count);
+          (g / (fvec(1.0f) + exp(fvec(0.0f) - g))).store(gate.data() + i, count);
+        }
+        // Rounded to bfloat16 between the two, as torch's silu then mul round.
+        at::vec::convert(gate.data(), silu.data(), width);
+        widen_bf16(silu.data(), gate.data(), width);
+        for (int64_t i = 0; i < width; i += kLanes) {
+          const int64_t count = std::min<int64_t>(kLanes, width - i);
+          (fvec::loadu(gate.data() + i, count) * fvec::loadu(up.data() + i, count))
+              .store(gate.data() + i, count);
+        }
+        at::vec::convert(gate.data(), dst + r * width, width);
       }
     });
     return out;

@@ -105,14 +105,20 @@ at::Tensor row_gemv(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->scalar_type() == at::kBFloat16,
                 "bias must be bfloat16 [out_features]");
   }
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const std::optional<at::Tensor> bias32 =
-      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
-                       : std::nullopt;
+  // The row and the bias widened once, into plain buffers: an ATen conversion per call cost
+  // more than a small projection's product.
+  const at::Tensor x_row = x.contiguous();
+  std::vector<float> x32(k);
+  widen_bf16(x_row.data_ptr<at::BFloat16>(), x32.data(), k);
+  std::vector<float> bias32;
+  if (bias.has_value()) {
+    bias32.resize(n);
+    widen_bf16(bias->contiguous().data_ptr<at::BFloat16>(), bias32.data(), n);
+  }
   auto out = at::empty({1, n}, x.options());
-  const float* x_ptr = x32.data_ptr<float>();
+  const float* x_ptr = x32.data();
   const at::BFloat16* w_ptr = weight.data_ptr<at::BFloat16>();
-  const float* bias_ptr = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  const float* bias_ptr = bias.has_value() ? bias32.data() : nullptr;
   at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
   // Threads take whole vectors of rows (a thread's rows are one stretch of the weight).
   const int64_t groups = (n + kLanes - 1) / kLanes;
