@@ -206,7 +206,7 @@ def row_gemv_available(dtype: torch.dtype) -> bool:
     over the [out, in] weight torch's F.linear reads for more rows: bfloat16 where torch's
     bfloat16 matmul is oneDNN's (elsewhere the packed kernel serves it), on a level where the
     kernel was measured faster than torch's (one row: 16-17 ms for SmolLM2-135M's
-    projections against 22-30 on the AMD EPYC Zen 4)."""
+    projections against 22-33 on the AMD EPYC Zen 4)."""
     if dtype != torch.bfloat16 or torch_bf16_matmul_is_scalar():
         return False
     build = loaded_build()

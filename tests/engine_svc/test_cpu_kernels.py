@@ -130,6 +130,8 @@ def test_kernel_matches_torch_half_precision(
     expected = _reference(as_float, 0.125)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    if dtype == torch.bfloat16:  # float32 math rounded to nearest once: equal but at ties
+        assert (got == expected.to(dtype)).double().mean().item() > 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -236,7 +238,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     generator = torch.Generator().manual_seed(5)
     # The fused gate_up output, rows of a wider buffer; values out to where exp saturates.
     wide = torch.randn(33, 2 * width + 3, generator=generator) * 30
-    gate_up = wide[:, : 2 * width].to(dtype)
+    gate_up = wide.to(dtype)[:, : 2 * width]
     got = torch.ops.duoserve.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up

@@ -30,7 +30,10 @@ def _bf16_weights(out_features: int, in_features: int) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize(
-    ("out_features", "in_features"), [(576, 576), (960, 576), (100, 1536), (70, 333), (5, 7)]
+    ("out_features", "in_features"),
+    # in_features: whole vectors in fours (576, 1536), and leftovers of 1-3 vectors and a
+    # partial one on AVX-512 and AVX2 (80, 200, 1000, 333, 7).
+    [(576, 576), (960, 576), (100, 1536), (64, 80), (48, 200), (40, 1000), (70, 333), (5, 7)],
 )
 def test_one_row_multiplies_in_float32_and_rounds_once(out_features: int, in_features: int) -> None:
     weight, bias = _bf16_weights(out_features, in_features)
@@ -74,10 +77,13 @@ def test_a_projection_takes_it_for_one_row_and_torch_for_more() -> None:
     projection.weight.data.copy_(weight)
     projection.bias.data.copy_(bias)  # type: ignore[union-attr]
     projection.transpose()
-    x = torch.randn(9, 128).bfloat16()
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
     before = projection(x)
     projection.use_row_gemv()
     assert projection.weight_t is None and projection.weight.shape == (300, 128)
     assert torch.equal(projection(x), F.linear(x, weight, bias))  # torch's, [out, in]
-    assert (projection(x[:1]) - before[:1]).abs().max().item() <= 2**-6
-    assert torch.equal(projection(x[:1]), torch.ops.duoserve.row_gemv(x[:1], weight, bias))
+    one_row = projection(x[:1])
+    assert torch.equal(one_row, torch.ops.duoserve.row_gemv(x[:1], weight, bias))
+    # Torch's and the GEMV's sums, each rounded once: a bfloat16 rounding apart at most.
+    gap = (one_row.double() - before[:1].double()).abs()
+    assert (gap <= before[:1].double().abs() * 2**-7 + 1e-3).all()

@@ -77,17 +77,22 @@ def _totals(url: str) -> dict[str, float]:
 
 def test_each_client_request_is_counted_once_by_the_frontend(stack: Stack) -> None:
     requests = [_request(i) for i in range(4)] + [_request(4, n=2)]
+    streams = {"grpc_method": "GenerateStream", "grpc_code": "OK"}
+    streams_before = stack.frontend.metric_total("grpc_server_handled_total", **streams)
     finals = run_async(lambda: _load(stack.frontend.address, requests))
     completion_tokens = sum(final.usage.completion_tokens for final in finals)
     assert completion_tokens == 6 * MAX_TOKENS
     # A call is counted after its status went out: wait for the last one's count.
-    stack.frontend.metric_total_reaching("grpc_server_handled_total", len(requests))
+    expected_streams = streams_before + len(requests)
+    handled = stack.frontend.metric_total_reaching(
+        "grpc_server_handled_total", expected_streams, **streams
+    )
+    assert handled == expected_streams
     frontend = _totals(stack.frontend.metrics_url)
     assert frontend["vllm:request_success_total"] == 5  # n=2 is one client request
     assert frontend["vllm:time_to_first_token_seconds_count"] == 5
     assert frontend["vllm:e2e_request_latency_seconds_count"] == 5
     assert frontend["vllm:request_generation_tokens_sum"] == completion_tokens
-    assert frontend["grpc_server_handled_total"] >= 5
     assert "vllm:request_queue_time_seconds_count" not in frontend  # only engines see it
     engine = _totals(stack.engine.metrics_url)
     assert engine["vllm:request_queue_time_seconds_count"] == 6  # one per choice

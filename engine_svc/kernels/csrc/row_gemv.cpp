@@ -1,9 +1,9 @@
 // One row times a bfloat16 weight in nn.Linear's layout, [out, in]: a lone request's decode
-// step, where torch's bfloat16 matmul is oneDNN's (AVX-512, AMX, Arm BF16).
+// step, where torch's bfloat16 matmul is oneDNN's (x86 with AVX-512 or AMX).
 //
 // There the projections keep Hugging Face's [out, in] weights for torch's F.linear, which
 // serves every row count from two rows up. At one row oneDNN reads them slowly: SmolLM2-135M's
-// 30 layers and LM head (269 MB of bfloat16) took 22-35 ms on the 2-core AMD EPYC Zen 4,
+// 30 layers and LM head (269 MB of bfloat16) took 22-33 ms on the 2-core AMD EPYC Zen 4,
 // where a plain read of as many bytes takes 9. Each output here is the dot product of the row
 // with one weight row, and the rows run one after the other, so a thread's share of outputs
 // is one stretch of memory read front to back: 16-17 ms there (the packed kernel's panels,
