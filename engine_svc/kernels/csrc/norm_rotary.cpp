@@ -130,6 +130,9 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   });
 }
 
+// silu(g) = g / (1 + exp(-g)), with vec.h's exp.
+inline fvec silu(fvec g) { return g / (fvec(1.0f) + exp(fvec(0.0f) - g)); }
+
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
 // silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) with a vectorized exp (within
 // 2 ulp of expf, so within a few ulp of torch's silu) in float32; bfloat16 computed in float32
@@ -150,9 +153,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         float* o = dst + r * width;
         for (int64_t i = 0; i < width; i += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, width - i);
-          const fvec g = fvec::loadu(gate + i, count);
-          const fvec silu = g / (fvec(1.0f) + exp(fvec(0.0f) - g));
-          (silu * fvec::loadu(up + i, count)).store(o + i, count);
+          (silu(fvec::loadu(gate + i, count)) * fvec::loadu(up + i, count)).store(o + i, count);
         }
       }
     });
@@ -165,18 +166,17 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const int64_t row_stride = x.stride(0);
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> gate(width), up(width);
-      std::vector<at::BFloat16> silu(width);
+      std::vector<at::BFloat16> rounded(width);
       for (int64_t r = begin; r < end; ++r) {
         widen_bf16(in + r * row_stride, gate.data(), width);
         widen_bf16(in + r * row_stride + width, up.data(), width);
         for (int64_t i = 0; i < width; i += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, width - i);
-          const fvec g = fvec::loadu(gate.data() + i, count);
-          (g / (fvec(1.0f) + exp(fvec(0.0f) - g))).store(gate.data() + i, count);
+          silu(fvec::loadu(gate.data() + i, count)).store(gate.data() + i, count);
         }
         // Rounded to bfloat16 between the two, as torch's silu then mul round.
-        at::vec::convert(gate.data(), silu.data(), width);
-        widen_bf16(silu.data(), gate.data(), width);
+        at::vec::convert(gate.data(), rounded.data(), width);
+        widen_bf16(rounded.data(), gate.data(), width);
         for (int64_t i = 0; i < width; i += kLanes) {
           const int64_t count = std::min<int64_t>(kLanes, width - i);
           (fvec::loadu(gate.data() + i, count) * fvec::loadu(up.data() + i, count))
