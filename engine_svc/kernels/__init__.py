@@ -5,7 +5,8 @@
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
 causal attention of a step's prompt chunks (float32; `packed_linear` also takes bfloat16
 weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
-oneDNN's, `row_gemv` takes a bfloat16 projection's single rows). All live in
+oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX machines, and
+elsewhere `row_gemv` takes their single rows). All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
@@ -19,6 +20,7 @@ to float rounding.
 from engine_svc.kernels.loader import (
     cpu_kernels_available,
     describe,
+    onednn_linear_available,
     packed_block_size,
     packed_linear_available,
     paged_decode_attention,
@@ -30,6 +32,7 @@ from engine_svc.kernels.loader import (
 __all__ = [
     "cpu_kernels_available",
     "describe",
+    "onednn_linear_available",
     "packed_block_size",
     "packed_linear_available",
     "paged_decode_attention",

@@ -132,6 +132,8 @@ def describe(dtype: torch.dtype, head_dim: int) -> str:
     paths = ["decode attention", "fused norms, rotary and silu*up"]
     if packed_linear_available(dtype):
         paths.insert(0, "packed projections")
+    elif onednn_linear_available(dtype):
+        paths.insert(0, "projections on prepacked oneDNN weights")
     elif row_gemv_available(dtype):
         paths.insert(0, "one-row projections")
     if prefill_attention_available(dtype, head_dim):
@@ -201,13 +203,27 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     return build is not None and build.fast
 
 
+def onednn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether bfloat16 projections keep their weights in oneDNN's blocked layout
+    (`Projection.use_onednn`): where torch's bfloat16 matmul is oneDNN's and the CPU has
+    AMX, where it was measured (Intel Xeon, SmolLM2-135M's projections: 1.2-1.5x F.linear at
+    1 to 256 rows; one request as fast as the row GEMV). Without AMX (AVX512-BF16 alone,
+    AMD Zen 4) the row GEMV and F.linear measured there stay."""
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and not torch_bf16_matmul_is_scalar()
+        and torch.cpu._is_amx_tile_supported()
+    )
+
+
 def row_gemv_available(dtype: torch.dtype) -> bool:
     """Whether a single row through a bfloat16 projection takes `row_gemv` (row_gemv.cpp)
     over the [out, in] weight torch's F.linear reads for more rows: bfloat16 where torch's
     bfloat16 matmul is oneDNN's (elsewhere the packed kernel serves it), on a level where the
     kernel was measured faster than torch's (one row: 16-17 ms for SmolLM2-135M's
     projections against 22-33 on the AMD EPYC Zen 4)."""
-    if dtype != torch.bfloat16 or torch_bf16_matmul_is_scalar():
+    if dtype != torch.bfloat16 or torch_bf16_matmul_is_scalar() or onednn_linear_available(dtype):
         return False
     build = loaded_build()
     return build is not None and build.fast

@@ -4,7 +4,8 @@ After loading, every projection's weight is stored transposed, [in, out]: on CPU
 GEMM then skips transposing the weight while packing it at every call (decode's skinny
 matmuls ran 1.4x faster), with bit-identical results. With the C++ CPU kernels on, float32
 projections go further: their weights are packed once into the blocks a GEMM micro-kernel
-reads (`Projection.pack`).
+reads (`Projection.pack`); bfloat16 ones, where torch's bfloat16 matmul is oneDNN's on AMX,
+are reordered once into oneDNN's own blocked layout (`Projection.use_onednn`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class Projection(nn.Module):
     `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
     embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
     `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
-    packed_linear.cpp), set by `pack()`, which replaces the others (but a `shared_weight`,
-    tied to the embeddings, stays). The model chooses a layout once, at load time."""
+    packed_linear.cpp), set by `pack()`, or `weight_onednn`, oneDNN's opaque blocked layout,
+    set by `use_onednn()`; either replaces the others (but a `shared_weight`, tied to the
+    embeddings, stays). The model chooses a layout once, at load time."""
 
     weight_t: torch.Tensor | None
     weight_packed: torch.Tensor | None
+    weight_onednn: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -48,6 +51,7 @@ class Projection(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
+        self.register_buffer("weight_onednn", None, persistent=False)
 
     @classmethod
     def fused(cls, parts: list[Projection]) -> Projection:
@@ -71,6 +75,20 @@ class Projection(nn.Module):
         source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
         block = packed_block_size(self.out_features)
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
+        self._drop_plain_weights()
+
+    def use_onednn(self) -> None:
+        """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX): the weight reordered once
+        into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
+        prepacking does, instead of at every call. The same kernels sum in the same order:
+        results are bit-equal to F.linear's."""
+        if self.weight_onednn is not None:
+            return
+        source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
+        self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source.contiguous())
+        self._drop_plain_weights()
+
+    def _drop_plain_weights(self) -> None:
         self.weight_t = None
         if hasattr(self, "weight") and not self.shared_weight:
             del self.weight
@@ -87,6 +105,10 @@ class Projection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_gemv and x.dim() == 2 and x.shape[0] == 1:
             return torch.ops.duoserve.row_gemv(x, self.weight, self.bias)
+        if self.weight_onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.weight_onednn, self.bias, "none", [], ""
+            )
         if self.weight_packed is not None:
             return torch.ops.duoserve.packed_linear(
                 x, self.weight_packed, self.out_features, self.bias

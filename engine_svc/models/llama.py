@@ -14,7 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.distributed.collectives import SINGLE, Collectives
-from engine_svc.kernels import packed_linear_available, row_gemv_available
+from engine_svc.kernels import (
+    onednn_linear_available,
+    packed_linear_available,
+    row_gemv_available,
+)
 from engine_svc.layers.attention import AttentionMetadata, paged_attention
 from engine_svc.layers.linear import Projection
 from engine_svc.layers.moe import SparseMoE
@@ -293,14 +297,18 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, enabled: bool, dtype: torch.dtype) -> None:
         """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU
         kernels' single passes, and the projections on packed weights where that kernel
-        serves the dtype (bfloat16 where torch's matmul is oneDNN's: a single row through
-        the row GEMV, more rows through torch)."""
+        serves the dtype (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's
+        layout on AMX; elsewhere a single row through the row GEMV, more rows through
+        torch)."""
         self.fused_ops = enabled
         packed = enabled and packed_linear_available(dtype)
+        onednn = enabled and onednn_linear_available(dtype)
         row_gemv = enabled and row_gemv_available(dtype)
         for module in self.modules():
             if isinstance(module, Projection) and packed:
                 module.pack()
+            elif isinstance(module, Projection) and onednn:
+                module.use_onednn()
             elif isinstance(module, Projection) and row_gemv:
                 module.use_row_gemv()
             elif isinstance(module, RMSNorm):

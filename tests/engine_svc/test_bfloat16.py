@@ -2,7 +2,8 @@
 matmul is a scalar loop, so the engine keeps bfloat16 weights
 and caches (half the bytes) and computes projections and prompt attention in float32
 through the kernels, rounding to bfloat16 where torch would. Where oneDNN has one, torch
-multiplies, but a single row goes through the row GEMV. bfloat16 greedy decoding is
+multiplies: over weights prepacked in oneDNN's layout where the CPU has AMX, elsewhere with
+a single row through the row GEMV. bfloat16 greedy decoding is
 full of near-ties (logits carry 8 significant bits), so the check is teacher-forced: at
 every step the token we chose is Hugging Face's bfloat16 argmax, or within a bfloat16
 rounding of it."""
@@ -16,7 +17,11 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.kernels import packed_linear_available, row_gemv_available
+from engine_svc.kernels import (
+    onednn_linear_available,
+    packed_linear_available,
+    row_gemv_available,
+)
 from engine_svc.layers.linear import Projection
 from tests.engine_svc.engine_helpers import assert_kv_cache_clean
 from tests.engine_svc.hf_reference import hf_token_logprobs
@@ -49,7 +54,9 @@ def test_bfloat16_greedy_tokens_are_hf_bfloat16_argmax_or_a_near_tie(
         == kernels_serve_bf16
         for p in packed
     )
-    # Where oneDNN multiplies bfloat16, a single row takes the row GEMV instead.
+    # Where oneDNN multiplies bfloat16: its prepacked layout on AMX, else the row GEMV.
+    onednn = cpu_kernels and onednn_linear_available(torch.bfloat16)
+    assert all((p.weight_onednn is not None) == onednn for p in packed)
     row_gemv = cpu_kernels and row_gemv_available(torch.bfloat16)
     assert all(p.row_gemv == row_gemv for p in packed)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine_svc.kernels import (
     cpu_kernels_available,
+    onednn_linear_available,
     row_gemv_available,
     torch_bf16_matmul_is_scalar,
 )
@@ -63,10 +64,14 @@ def test_a_bad_shape_or_dtype_is_refused_naming_the_argument() -> None:
         torch.ops.duoserve.row_gemv(x, weight, bias[:4])
 
 
-def test_it_serves_bfloat16_only_where_the_packed_kernel_does_not() -> None:
+def test_it_serves_bfloat16_only_where_neither_packed_layout_does() -> None:
     build = loaded_build()
     assert build is not None
-    expected = build.fast and not torch_bf16_matmul_is_scalar()
+    expected = (
+        build.fast
+        and not torch_bf16_matmul_is_scalar()
+        and not onednn_linear_available(torch.bfloat16)
+    )
     assert row_gemv_available(torch.bfloat16) == expected
     assert not row_gemv_available(torch.float32)
 

@@ -1,0 +1,74 @@
+"""bfloat16 projections on weights prepacked in oneDNN's blocked layout
+(`Projection.use_onednn`), where torch's bfloat16 matmul is oneDNN's and the CPU has AMX:
+the results are F.linear's bit for bit, at decode's and prefill's row counts, and the
+engine chooses that layout exactly there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_svc.kernels import onednn_linear_available, torch_bf16_matmul_is_scalar
+from engine_svc.layers.linear import Projection
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    torch_bf16_matmul_is_scalar(),
+    reason="oneDNN has no bfloat16 kernel for this CPU (torch's bfloat16 matmul is scalar)",
+)
+
+
+def _projection(out_features: int, in_features: int, bias: bool) -> Projection:
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    projection = Projection(in_features, out_features, bias=bias).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    projection.weight.data.copy_(weight)
+    if projection.bias is not None:
+        projection.bias.data.copy_(torch.randn(out_features, generator=generator))
+    return projection
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (70, 333)])
+@torch.inference_mode()
+def test_prepacked_results_are_f_linear_bit_for_bit(
+    rows: int, bias: bool, out_features: int, in_features: int
+) -> None:
+    projection = _projection(out_features, in_features, bias)
+    weight = projection.weight.detach().clone()
+    bias_value = None if projection.bias is None else projection.bias.detach().clone()
+    projection.transpose()  # as the model stores it after loading
+    projection.use_onednn()
+    assert projection.weight_t is None and not hasattr(projection, "weight")
+    assert projection.weight_onednn is not None
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = projection(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, F.linear(x, weight, bias_value))
+    # Rows of a wider buffer (a strided view) read as the same values.
+    wide = torch.zeros(rows, in_features * 2, dtype=torch.bfloat16)
+    wide[:, :in_features] = x
+    assert torch.equal(projection(wide[:, :in_features]), got)
+
+
+@needs_onednn_bf16
+@torch.inference_mode()
+def test_a_weight_tied_to_the_embeddings_stays() -> None:
+    projection = _projection(96, 64, bias=False)
+    projection.shared_weight = True
+    projection.use_onednn()
+    assert projection.weight.shape == (96, 64)  # still the embedding table's
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(projection(x), F.linear(x, projection.weight))
+
+
+def test_the_layout_is_chosen_for_bfloat16_where_onednn_runs_it_on_amx() -> None:
+    expected = (
+        torch.backends.mkldnn.is_available()
+        and not torch_bf16_matmul_is_scalar()
+        and torch.cpu._is_amx_tile_supported()
+    )
+    assert onednn_linear_available(torch.bfloat16) == expected
+    assert not onednn_linear_available(torch.float32)
