@@ -51,6 +51,57 @@ void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_o
   });
 }
 
+// bfloat16 rows, vectorized: the scalar loop above converts one value at a time (350 us for
+// 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch). The same roundings: the
+// residual sum, the normalised value and its product by the weight each rounded to
+// bfloat16, as torch's ops round; only the sum of squares runs in another order.
+template <>
+void rms_norm_rows<at::BFloat16>(const at::BFloat16* __restrict x,
+                                 at::BFloat16* __restrict residual_out,
+                                 const at::BFloat16* __restrict residual_in,
+                                 const at::BFloat16* __restrict weight,
+                                 at::BFloat16* __restrict out, int64_t rows, int64_t width,
+                                 double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> value(width), other(width), scale(width);
+    widen_bf16(weight, scale.data(), width);
+    auto each_vector = [width](auto&& body) {
+      for (int64_t i = 0; i < width; i += kLanes) body(i, std::min<int64_t>(kLanes, width - i));
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      widen_bf16(x + r * width, value.data(), width);
+      if (residual_in != nullptr) {  // x + residual, rounded: the new residual stream
+        at::BFloat16* summed = residual_out + r * width;
+        widen_bf16(residual_in + r * width, other.data(), width);
+        each_vector([&](int64_t i, int64_t n) {
+          (fvec::loadu(value.data() + i, n) + fvec::loadu(other.data() + i, n))
+              .store(value.data() + i, n);
+        });
+        at::vec::convert(value.data(), summed, width);
+        widen_bf16(summed, value.data(), width);
+      }
+      fvec squares(0.0f);
+      each_vector([&](int64_t i, int64_t n) {
+        const fvec v = fvec::loadu(value.data() + i, n);  // zeros past the row's end
+        squares = at::vec::fmadd(v, v, squares);
+      });
+      const fvec inv(1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) +
+                                      static_cast<float>(eps)));
+      at::BFloat16* y = out + r * width;
+      each_vector([&](int64_t i, int64_t n) {
+        (fvec::loadu(value.data() + i, n) * inv).store(value.data() + i, n);
+      });
+      at::vec::convert(value.data(), y, width);  // the normalised value, rounded
+      widen_bf16(y, value.data(), width);
+      each_vector([&](int64_t i, int64_t n) {
+        (fvec::loadu(scale.data() + i, n) * fvec::loadu(value.data() + i, n))
+            .store(value.data() + i, n);
+      });
+      at::vec::convert(value.data(), y, width);
+    }
+  });
+}
+
 // rms_norm(x) -> weight * (x * rsqrt(mean(x^2) + eps)), rows of x contiguous.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous tensors");
