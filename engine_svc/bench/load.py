@@ -149,7 +149,7 @@ async def run_load(
 
 def measure_ceilings(args: argparse.Namespace) -> ceiling.Ceilings | None:
     """The machine, and its ceilings unless --skip-ceilings: before any load, while quiet."""
-    print(machine.describe())
+    print(machine.describe(DTYPES[args.dtype]))
     if args.skip_ceilings:
         return None
     ceilings = ceiling.measure_ceilings(DTYPES[args.dtype])

@@ -69,8 +69,9 @@ def identity() -> dict[str, str | None]:
     }
 
 
-def describe() -> str:
-    """CPU, its vector flags, threads, and what torch and our kernels run on it here."""
+def describe(dtype: torch.dtype = torch.float32) -> str:
+    """CPU, its vector flags, threads, and what torch and our kernels run on it here for
+    `dtype` (the fast paths differ between float32 and bfloat16)."""
     from engine_svc.kernels.loader import describe as describe_kernels
 
     capped = os.environ.get("ATEN_CPU_CAPABILITY")
@@ -78,7 +79,7 @@ def describe() -> str:
         f"machine: {cpu_model()} ({' '.join(cpu_flags()) or 'no AVX flags'}), "
         f"{len(os.sched_getaffinity(0))} threads, torch {torch.__version__} running "
         f"{torch.backends.cpu.get_cpu_capability()}" + (f" (capped: {capped})" if capped else ""),
-        describe_kernels(torch.float32, 64),
+        describe_kernels(dtype, 64),
     ]
     return "\n".join(lines)
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     summary |= machine.identity()
     summary |= {"tensor_parallel_size": args.tensor_parallel_size,
                 "pipeline_parallel_size": args.pipeline_parallel_size}  # fmt: skip
-    print(machine.describe())
+    print(machine.describe(_DTYPES[args.dtype]))
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
 

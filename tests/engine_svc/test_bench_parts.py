@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine_svc.bench.metrics import RequestRecord, format_table, summarize
 from engine_svc.bench.workload import (
@@ -115,3 +116,13 @@ def test_bf16_arithmetic_follows_the_cpu_flags_and_the_isa_cap(
     assert machine.has_bf16_arithmetic()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # `--isa avx2`
     assert not machine.has_bf16_arithmetic()
+
+
+def test_the_machine_line_names_the_fast_paths_of_the_dtype_measured() -> None:
+    from engine_svc.bench import machine
+    from engine_svc.kernels.loader import describe
+
+    for dtype in (torch.float32, torch.bfloat16):
+        lines = machine.describe(dtype).splitlines()
+        assert lines[0].startswith(f"machine: {machine.cpu_model()}")
+        assert lines[1] == describe(dtype, 64)
