@@ -105,6 +105,20 @@ def test_hit_blocks_are_shared_not_copied() -> None:
     assert [manager.pool.blocks[i].ref_count for i in manager.block_ids("a")] == [2, 2, 1]
 
 
+def test_a_block_filled_by_decode_steps_inside_it_is_published() -> None:
+    manager = KVCacheManager(8, BLOCK_SIZE, enable_caching=True)
+    request = make_request("a", list(range(6)))
+    prefill(manager, request)  # 6 tokens: block 0 full and published, block 1 half
+    for token in (100, 101):  # the last two slots of block 1: no new block
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) == []
+        request.num_computed_tokens += 1
+    assert len(manager.block_ids("a")) == 2
+    # Block 1 (tokens 4, 5, 100, 101) is full: a request with that prefix hits both blocks.
+    other = make_request("b", [*range(6), 100, 101, 7])
+    assert len(manager.get_computed_blocks(other)) == 2
+
+
 def test_blocks_of_a_finished_request_are_still_hits_until_evicted() -> None:
     manager = KVCacheManager(3, BLOCK_SIZE, enable_caching=True)
     first = make_request("a", list(range(9)))

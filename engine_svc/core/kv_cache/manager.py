@@ -95,6 +95,15 @@ class KVCacheManager:
         time; the request's computed tokens then start after them. Returns the ids of the
         newly allocated blocks, or None when they do not fit (nothing changes then).
         """
+        if not computed_blocks and self.attention_span is None:
+            held = self.req_to_blocks.get(request.request_id)
+            num_total = request.num_computed_tokens + num_new_tokens
+            if held and len(held) * self.block_size >= num_total:
+                # Room in the blocks held (a decode step inside its last block: 15 steps of
+                # 16): nothing to take or release, only a block that filled to publish.
+                if self.enable_caching:
+                    self._cache_full_blocks(request, held, num_total)
+                return []
         if not computed_blocks:
             self._release_out_of_window(request)
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
