@@ -7,7 +7,9 @@ cost: scheduling, the busy loop's IPC, gRPC both ways, detokenization, output as
 Defaults: 256 prompts of 32 tokens (x [0.5, 1.5]) x 256 new tokens, 64 in flight. Besides
 serve's figures it prints, from counters read before and after each run, the engine-core
 process's CPU time per step (steps: the engine's vllm:iteration_tokens_total count) and the
-CPU time per output token of the engine service's gRPC process and of the frontend.
+CPU time per output token of the engine service's gRPC process and of the frontend; then
+the engine core alone, in this process, stepped at the sweep's largest concurrency of
+running requests (core_steps.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_svc.bench import load
+from engine_svc.bench import core_steps, load
 from engine_svc.bench.metrics import Summary
 from engine_svc.bench.serve import FrontendClient, parse_args, reset_prefix_cache, services
 from engine_svc.bench.services import Addresses, cpu_seconds, engine_core_pid
@@ -99,4 +101,15 @@ def main(argv: list[str]) -> None:
             counters=lambda: counters(addresses, core_pid),
             report=report,
         )
-    load.finish(args, {"mode": "overhead", "num_prompts": len(requests)}, runs)
+    # The engine core alone at the sweep's largest concurrency: the frontend's pace decides
+    # how many run at once above, this measures the core's own cost at that many.
+    running = max((c for c in args.concurrencies if c), default=64)
+    core_ms = core_steps.cpu_ms_per_step(args.model, running)
+    print(f"engine core alone (in process, no model): {core_ms:.3f} ms CPU a step "
+          f"at {running} running")  # fmt: skip
+    load.finish(
+        args,
+        {"mode": "overhead", "num_prompts": len(requests), "core_running": running,
+         "core_cpu_ms_per_step": round(core_ms, 4)},
+        runs,
+    )  # fmt: skip

@@ -168,3 +168,7 @@ def test_bench_overhead_runs_the_stack_without_a_model(
     assert run["delta_steps"] >= 16
     assert run["engine_core_cpu_ms_per_step"] >= 0 and run["frontend_cpu_us_per_token"] >= 0
     assert "engine core CPU per step:" in done.stdout
+    # The core alone, stepped in process with every request of the sweep's concurrency.
+    summary = json.loads(result.read_text())
+    assert summary["core_running"] == 4 and summary["core_cpu_ms_per_step"] > 0
+    assert "ms CPU a step at 4 running" in done.stdout
