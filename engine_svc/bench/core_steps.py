@@ -17,7 +17,8 @@ ROUNDS = 3
 
 def cpu_ms_per_step(model: str, running: int, steps: int = 200, input_len: int = 32) -> float:
     """CPU milliseconds a step with `running` decoding requests (best of ROUNDS runs of
-    `steps`), as this process's CPU time: the null executor runs on this thread."""
+    `steps`), as this process's CPU time (the null executor runs on this thread, and
+    nothing else runs meanwhile). The engine's defaults, 16-token blocks."""
     from engine_svc import LLM
 
     # Long enough that none finishes while measured, with blocks for all: none is preempted.

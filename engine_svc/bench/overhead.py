@@ -103,7 +103,7 @@ def main(argv: list[str]) -> None:
         )
     # The engine core alone at the sweep's largest concurrency: the frontend's pace decides
     # how many run at once above, this measures the core's own cost at that many.
-    running = max((c for c in args.concurrencies if c), default=64)
+    running = max(min(c or len(requests), len(requests)) for c in args.concurrencies)
     core_ms = core_steps.cpu_ms_per_step(args.model, running)
     print(f"engine core alone (in process, no model): {core_ms:.3f} ms CPU a step "
           f"at {running} running")  # fmt: skip

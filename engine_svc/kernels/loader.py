@@ -208,9 +208,12 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
     (`Projection.use_onednn`): where torch's bfloat16 matmul is oneDNN's and the CPU has
     AMX, where it was measured (Intel Xeon, SmolLM2-135M's projections: 1.2-1.5x F.linear at
     1 to 256 rows; one request as fast as the row GEMV). Without AMX (AVX512-BF16 alone,
-    AMD Zen 4) the row GEMV and F.linear measured there stay."""
+    AMD Zen 4) the row GEMV and F.linear measured there stay, as they do when oneDNN is held
+    to an ISA below AMX (ONEDNN_MAX_CPU_ISA)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     return (
         dtype == torch.bfloat16
+        and (not cap or cap == "ALL" or "AMX" in cap)
         and torch.backends.mkldnn.is_available()
         and not torch_bf16_matmul_is_scalar()
         and torch.cpu._is_amx_tile_supported()

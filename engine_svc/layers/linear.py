@@ -80,8 +80,9 @@ class Projection(nn.Module):
     def use_onednn(self) -> None:
         """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX): the weight reordered once
         into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
-        prepacking does, instead of at every call. The same kernels sum in the same order:
-        results are bit-equal to F.linear's."""
+        prepacking does, instead of at every call. Results were F.linear's bit for bit on
+        the AMX Xeon (test_onednn_linear.py checks it wherever this path is taken). A tied
+        LM head gets a prepacked copy of the embeddings, as `pack()` does."""
         if self.weight_onednn is not None:
             return
         source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()

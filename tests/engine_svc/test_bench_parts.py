@@ -120,9 +120,12 @@ def test_bf16_arithmetic_follows_the_cpu_flags_and_the_isa_cap(
 
 def test_the_machine_line_names_the_fast_paths_of_the_dtype_measured() -> None:
     from engine_svc.bench import machine
+    from engine_svc.kernels import packed_linear_available
     from engine_svc.kernels.loader import describe
 
     for dtype in (torch.float32, torch.bfloat16):
         lines = machine.describe(dtype).splitlines()
         assert lines[0].startswith(f"machine: {machine.cpu_model()}")
         assert lines[1] == describe(dtype, 64)
+        # The packed kernel serves bfloat16 only where torch's bfloat16 matmul is scalar.
+        assert ("packed projections" in lines[1]) == packed_linear_available(dtype)

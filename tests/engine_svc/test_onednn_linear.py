@@ -9,12 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc.kernels import onednn_linear_available, torch_bf16_matmul_is_scalar
+from engine_svc.kernels import (
+    onednn_linear_available,
+    packed_linear_available,
+    row_gemv_available,
+    torch_bf16_matmul_is_scalar,
+)
+from engine_svc.kernels.loader import _cpu_flags
 from engine_svc.layers.linear import Projection
 
 needs_onednn_bf16 = pytest.mark.skipif(
-    torch_bf16_matmul_is_scalar(),
-    reason="oneDNN has no bfloat16 kernel for this CPU (torch's bfloat16 matmul is scalar)",
+    not onednn_linear_available(torch.bfloat16),
+    reason="the engine takes this path only where oneDNN runs bfloat16 on AMX",
 )
 
 
@@ -64,11 +70,16 @@ def test_a_weight_tied_to_the_embeddings_stays() -> None:
     assert torch.equal(projection(x), F.linear(x, projection.weight))
 
 
-def test_the_layout_is_chosen_for_bfloat16_where_onednn_runs_it_on_amx() -> None:
-    expected = (
-        torch.backends.mkldnn.is_available()
-        and not torch_bf16_matmul_is_scalar()
-        and torch.cpu._is_amx_tile_supported()
-    )
+def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    expected = "amx_tile" in _cpu_flags() and not torch_bf16_matmul_is_scalar()
     assert onednn_linear_available(torch.bfloat16) == expected
     assert not onednn_linear_available(torch.float32)
+    if expected:  # one layout per projection: the packed kernel and the row GEMV stand aside
+        assert not packed_linear_available(torch.bfloat16)
+        assert not row_gemv_available(torch.bfloat16)
+    # oneDNN held below AMX: torch's own paths.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not onednn_linear_available(torch.bfloat16)
