@@ -134,6 +134,19 @@ def test_kernel_matches_torch_half_precision(
         assert (got == expected.to(dtype)).double().mean().item() > 0.99
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (10, 2)])
+def test_bfloat16_kernel_for_every_group_size(heads: int, kv_heads: int) -> None:
+    """Query heads a KV head serves: 1 (each key row read by one head), and 5 (a pass of
+    4 heads, whose bfloat16 key rows are widened once for all four, then 1)."""
+    lens = [1, 17, 40, 250]
+    inputs = _case(4, heads, kv_heads, 16, lens, torch.bfloat16, seed=2)
+    got = paged_decode_attention(*inputs, max(lens), 0.125)
+    as_float = tuple(t.float() if t.is_floating_point() else t for t in inputs)
+    expected = _reference(as_float, 0.125)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    assert (got == expected.to(torch.bfloat16)).double().mean().item() > 0.99
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
 def test_a_sliding_window_reads_only_its_last_tokens(window: int, dtype: torch.dtype) -> None:

@@ -222,12 +222,26 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
     }
   }
 
-  // Scores, kLanes tokens at a time.
+  // Scores, kLanes tokens at a time. bfloat16 keys read by several query heads are widened
+  // once per chunk, into `widened`, for all of them (not once per query head).
+  constexpr bool kWiden = !std::is_same_v<T, float> && kGroup > 1;
+  using KeyRow = std::conditional_t<kWiden, const float*, const T*>;
   RowCursor<T> keys(rows, k_cache);
-  const T* chunk_rows[kLanes];
+  KeyRow chunk_rows[kLanes];
+  __at_align__ float widened[kWiden ? kLanes * kDim : 1];
   for (int64_t start = 0; start < len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, len - start);
-    for (int64_t t = 0; t < count; ++t) chunk_rows[t] = keys.next();
+    for (int64_t t = 0; t < count; ++t) {
+      const T* row = keys.next();
+      if constexpr (!kWiden) {
+        chunk_rows[t] = row;
+      } else {
+        for (int i = 0; i < kVecs; ++i) {
+          fvec(load_float(row + kLanes * i)).store(widened + t * kDim + kLanes * i);
+        }
+        chunk_rows[t] = widened + t * kDim;
+      }
+    }
     for (int g = 0; g < kGroup; ++g) {
       vreg dots[kLanes];
       for (int64_t t = 0; t < kLanes; ++t) {
