@@ -13,22 +13,23 @@ from engine_svc.sampling_params import SamplingParams
 
 WARMUP_STEP_LIMIT = 100  # steps to admit every request (their prefills) before measuring
 ROUNDS = 3
+BLOCK_SIZE = 16  # the engine's default
 
 
 def cpu_ms_per_step(model: str, running: int, steps: int = 200, input_len: int = 32) -> float:
     """CPU milliseconds a step with `running` decoding requests (best of ROUNDS runs of
     `steps`), as this process's CPU time (the null executor runs on this thread, and
-    nothing else runs meanwhile). The engine's defaults, 16-token blocks."""
+    nothing else runs meanwhile)."""
     from engine_svc import LLM
 
     # Long enough that none finishes while measured, with blocks for all: none is preempted.
     max_tokens = WARMUP_STEP_LIMIT + ROUNDS * steps
-    blocks_each = -(-(input_len + max_tokens) // 16) + 1
+    blocks_each = -(-(input_len + max_tokens) // BLOCK_SIZE) + 1
     llm = LLM(
         model,
         null_executor=True,
         max_num_seqs=running,
-        block_size=16,
+        block_size=BLOCK_SIZE,
         num_kv_blocks=running * blocks_each,
     )
     try:

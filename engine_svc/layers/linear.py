@@ -72,7 +72,7 @@ class Projection(nn.Module):
     def pack(self) -> None:
         if self.weight_packed is not None:
             return
-        source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
+        source = self._out_in_weight()
         block = packed_block_size(self.out_features)
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
         self._drop_plain_weights()
@@ -85,9 +85,13 @@ class Projection(nn.Module):
         LM head gets a prepacked copy of the embeddings, as `pack()` does."""
         if self.weight_onednn is not None:
             return
-        source = self.weight_t.t() if self.weight_t is not None else self.weight.detach()
+        source = self._out_in_weight()
         self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source.contiguous())
         self._drop_plain_weights()
+
+    def _out_in_weight(self) -> torch.Tensor:
+        """The weight in Hugging Face's [out, in] layout, from whichever plain one is held."""
+        return self.weight_t.t() if self.weight_t is not None else self.weight.detach()
 
     def _drop_plain_weights(self) -> None:
         self.weight_t = None
