@@ -77,17 +77,26 @@ class Projection(nn.Module):
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
         self._drop_plain_weights()
 
-    def use_onednn(self) -> None:
+    def use_onednn(self, keep_rows: bool = False) -> None:
         """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX): the weight reordered once
         into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
         prepacking does, instead of at every call. Results were F.linear's bit for bit on
         the AMX Xeon (test_onednn_linear.py checks it wherever this path is taken). A tied
-        LM head gets a prepacked copy of the embeddings, as `pack()` does."""
+        LM head gets a prepacked copy of the embeddings, as `pack()` does.
+
+        `keep_rows`: the [out, in] weight stays too, and a single row goes through the row
+        GEMV. oneDNN spends about 45 us a call before it streams the weight: at one row the
+        model's 121 projections took 24.8 ms there against 18.2 through the GEMV (the
+        Xeon, SmolLM2), at the cost of a second copy of the weights."""
         if self.weight_onednn is not None:
             return
-        source = self._out_in_weight()
-        self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source.contiguous())
+        source = self._out_in_weight().contiguous()
+        self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source)
         self._drop_plain_weights()
+        if keep_rows:
+            if not self.shared_weight:  # a tied LM head reads the embeddings themselves
+                self.weight = nn.Parameter(source, requires_grad=False)
+            self.row_gemv = True
 
     def _out_in_weight(self) -> torch.Tensor:
         """The weight in Hugging Face's [out, in] layout, from whichever plain one is held."""

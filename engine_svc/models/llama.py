@@ -9,6 +9,8 @@ chooses for the backend.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,13 @@ from engine_svc.models.model_spec import ModelSpec
 from engine_svc.models.sharding import RankShards
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+logger = logging.getLogger(__name__)
+
+# bfloat16 on AMX: models whose projection weights take at most this keep a second,
+# [out, in] copy of them for one-row steps (Projection.use_onednn's keep_rows). Past it, the
+# copy's memory goes to the KV cache instead.
+ONE_ROW_COPY_MAX_BYTES = 1 << 30
 
 # The MLP gate activations, by their config names.
 ACTIVATIONS = {
@@ -298,17 +307,25 @@ class LlamaForCausalLM(nn.Module):
         """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU
         kernels' single passes, and the projections on packed weights where that kernel
         serves the dtype (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's
-        layout on AMX; elsewhere a single row through the row GEMV, more rows through
-        torch)."""
+        layout on AMX, single rows through the row GEMV on a copy of the weights where it
+        fits ONE_ROW_COPY_MAX_BYTES; elsewhere a single row through the row GEMV, more rows
+        through torch)."""
         self.fused_ops = enabled
         packed = enabled and packed_linear_available(dtype)
         onednn = enabled and onednn_linear_available(dtype)
         row_gemv = enabled and row_gemv_available(dtype)
+        keep_rows = onednn and self.projection_bytes() <= ONE_ROW_COPY_MAX_BYTES
+        if keep_rows:
+            logger.info(
+                "one-row steps through the row GEMV, on a second copy of the projection "
+                "weights (%.2f GiB) beside oneDNN's prepacked one",
+                self.projection_bytes() / (1 << 30),
+            )
         for module in self.modules():
             if isinstance(module, Projection) and packed:
                 module.pack()
             elif isinstance(module, Projection) and onednn:
-                module.use_onednn()
+                module.use_onednn(keep_rows)
             elif isinstance(module, Projection) and row_gemv:
                 module.use_row_gemv()
             elif isinstance(module, RMSNorm):
@@ -319,6 +336,15 @@ class LlamaForCausalLM(nn.Module):
                 module.fused_rotary = enabled
             elif isinstance(module, MLP):
                 module.fused_act = enabled and module.act == "silu"
+
+    def projection_bytes(self) -> int:
+        """What the projections' weights take, an LM head tied to the embeddings excluded."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, Projection) and not module.shared_weight:
+                weight = module.weight_t if module.weight_t is not None else module.weight
+                total += weight.numel() * weight.element_size()
+        return total
 
     def forward(
         self,

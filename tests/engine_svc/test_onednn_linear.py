@@ -5,6 +5,8 @@ engine chooses that layout exactly there."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from engine_svc.kernels import (
     row_gemv_available,
     torch_bf16_matmul_is_scalar,
 )
-from engine_svc.kernels.loader import _cpu_flags
+from engine_svc.kernels.loader import _cpu_flags, loaded_build
 from engine_svc.layers.linear import Projection
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -70,6 +72,31 @@ def test_a_weight_tied_to_the_embeddings_stays() -> None:
     assert torch.equal(projection(x), F.linear(x, projection.weight))
 
 
+@needs_onednn_bf16
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "tied"])
+@torch.inference_mode()
+def test_kept_rows_serve_one_row_and_the_prepacked_weight_more(shared: bool) -> None:
+    """keep_rows: one row through the row GEMV on the [out, in] weight (float32 sums,
+    rounded once), more rows through oneDNN, bit for bit F.linear's."""
+    assert loaded_build() is not None  # the row GEMV's op
+    projection = _projection(960, 576, bias=True)
+    weight = projection.weight.detach().clone()
+    bias = projection.bias.detach().clone()
+    if shared:  # a tied LM head: the embeddings are the [out, in] weight already
+        projection.shared_weight = True
+    else:
+        projection.transpose()
+    projection.use_onednn(keep_rows=True)
+    assert projection.weight_onednn is not None and projection.weight_t is None
+    assert projection.row_gemv and torch.equal(projection.weight, weight)
+    one = torch.randn(1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(projection(one), torch.ops.duoserve.row_gemv(one, weight, bias))
+    expected = (one.double() @ weight.double().T + bias.double()).bfloat16()
+    assert (projection(one) == expected).double().mean().item() > 0.98
+    many = torch.randn(5, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(projection(many), F.linear(many, weight, bias))
+
+
 def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_amx(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -83,3 +110,24 @@ def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_amx(
     # oneDNN held below AMX: torch's own paths.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert not onednn_linear_available(torch.bfloat16)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("limit", [0, 1 << 30], ids=["over-the-limit", "within"])
+def test_a_model_keeps_its_rows_only_within_the_limit(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    from engine_svc import LLM
+    from engine_svc.models import llama
+
+    monkeypatch.setattr(llama, "ONE_ROW_COPY_MAX_BYTES", limit)
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16")
+    try:
+        model = llm.engine_core.executor.runner.model
+        projections = [m for m in model.modules() if isinstance(m, Projection)]
+        assert all(p.weight_onednn is not None for p in projections)
+        assert all(p.row_gemv == (limit > 0) for p in projections)
+        own = [p for p in projections if not p.shared_weight]
+        assert all(hasattr(p, "weight") == (limit > 0) for p in own)
+    finally:
+        llm.shutdown()
