@@ -20,6 +20,7 @@ to float rounding.
 from engine_svc.kernels.loader import (
     cpu_kernels_available,
     describe,
+    one_row_copy_available,
     onednn_linear_available,
     packed_block_size,
     packed_linear_available,
@@ -32,6 +33,7 @@ from engine_svc.kernels.loader import (
 __all__ = [
     "cpu_kernels_available",
     "describe",
+    "one_row_copy_available",
     "onednn_linear_available",
     "packed_block_size",
     "packed_linear_available",

@@ -232,6 +232,16 @@ def row_gemv_available(dtype: torch.dtype) -> bool:
     return build is not None and build.fast
 
 
+def one_row_copy_available(dtype: torch.dtype) -> bool:
+    """Whether bfloat16 projections prepacked for oneDNN (AMX) can also keep their [out, in]
+    weights for `row_gemv`'s single rows (Projection.use_onednn's keep_rows): the kernels
+    built at a level where the GEMV was measured faster than torch."""
+    if not onednn_linear_available(dtype):
+        return False
+    build = loaded_build()
+    return build is not None and build.fast
+
+
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `prefill_attention_` serves this model: float32 (bfloat16, where torch's
     bfloat16 matmul is scalar, attends in float32: layers/attention.py), head_dim a

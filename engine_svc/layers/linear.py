@@ -44,6 +44,7 @@ class Projection(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features = in_features
         self.out_features = out_features
         self.shared_weight = False
         self.row_gemv = False

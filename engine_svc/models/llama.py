@@ -17,6 +17,7 @@ from torch import nn
 
 from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import (
+    one_row_copy_available,
     onednn_linear_available,
     packed_linear_available,
     row_gemv_available,
@@ -314,12 +315,16 @@ class LlamaForCausalLM(nn.Module):
         packed = enabled and packed_linear_available(dtype)
         onednn = enabled and onednn_linear_available(dtype)
         row_gemv = enabled and row_gemv_available(dtype)
-        keep_rows = onednn and self.projection_bytes() <= ONE_ROW_COPY_MAX_BYTES
+        keep_rows = (
+            onednn
+            and one_row_copy_available(dtype)
+            and self.projection_bytes(dtype) <= ONE_ROW_COPY_MAX_BYTES
+        )
         if keep_rows:
             logger.info(
                 "one-row steps through the row GEMV, on a second copy of the projection "
                 "weights (%.2f GiB) beside oneDNN's prepacked one",
-                self.projection_bytes() / (1 << 30),
+                self.projection_bytes(dtype) / (1 << 30),
             )
         for module in self.modules():
             if isinstance(module, Projection) and packed:
@@ -337,14 +342,15 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, MLP):
                 module.fused_act = enabled and module.act == "silu"
 
-    def projection_bytes(self) -> int:
-        """What the projections' weights take, an LM head tied to the embeddings excluded."""
-        total = 0
-        for module in self.modules():
-            if isinstance(module, Projection) and not module.shared_weight:
-                weight = module.weight_t if module.weight_t is not None else module.weight
-                total += weight.numel() * weight.element_size()
-        return total
+    def projection_bytes(self, dtype: torch.dtype) -> int:
+        """What this rank's projection weights take in `dtype`, an LM head tied to the
+        embeddings excluded."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return sum(
+            module.in_features * module.out_features * element
+            for module in self.modules()
+            if isinstance(module, Projection) and not module.shared_weight
+        )
 
     def forward(
         self,

@@ -18,6 +18,7 @@ import torch
 
 from engine_svc import LLM, SamplingParams
 from engine_svc.kernels import (
+    one_row_copy_available,
     onednn_linear_available,
     packed_linear_available,
     row_gemv_available,
@@ -58,7 +59,9 @@ def test_bfloat16_greedy_tokens_are_hf_bfloat16_argmax_or_a_near_tie(
     # AMX a model this small keeps its [out, in] weights too, for the row GEMV.
     onednn = cpu_kernels and onednn_linear_available(torch.bfloat16)
     assert all((p.weight_onednn is not None) == onednn for p in packed)
-    row_gemv = cpu_kernels and (row_gemv_available(torch.bfloat16) or onednn)
+    row_gemv = cpu_kernels and (
+        row_gemv_available(torch.bfloat16) or one_row_copy_available(torch.bfloat16)
+    )
     assert all(p.row_gemv == row_gemv for p in packed)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
     outputs = [out.token_ids for out in llm.generate(prompts, params)]

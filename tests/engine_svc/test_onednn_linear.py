@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from engine_svc.kernels import (
+    one_row_copy_available,
     onednn_linear_available,
     packed_linear_available,
     row_gemv_available,
     torch_bf16_matmul_is_scalar,
 )
-from engine_svc.kernels.loader import _cpu_flags, loaded_build
+from engine_svc.kernels.loader import _cpu_flags
 from engine_svc.layers.linear import Projection
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -72,23 +73,31 @@ def test_a_weight_tied_to_the_embeddings_stays() -> None:
     assert torch.equal(projection(x), F.linear(x, projection.weight))
 
 
-@needs_onednn_bf16
+needs_one_row_copy = pytest.mark.skipif(
+    not one_row_copy_available(torch.bfloat16),
+    reason="needs oneDNN's prepacked bfloat16 (AMX) and the row GEMV of a fast kernel build",
+)
+
+
+@needs_one_row_copy
 @pytest.mark.parametrize("shared", [False, True], ids=["own", "tied"])
 @torch.inference_mode()
 def test_kept_rows_serve_one_row_and_the_prepacked_weight_more(shared: bool) -> None:
     """keep_rows: one row through the row GEMV on the [out, in] weight (float32 sums,
     rounded once), more rows through oneDNN, bit for bit F.linear's."""
-    assert loaded_build() is not None  # the row GEMV's op
     projection = _projection(960, 576, bias=True)
     weight = projection.weight.detach().clone()
     bias = projection.bias.detach().clone()
     if shared:  # a tied LM head: the embeddings are the [out, in] weight already
         projection.shared_weight = True
+        embeddings = projection.weight.data_ptr()
     else:
         projection.transpose()
     projection.use_onednn(keep_rows=True)
     assert projection.weight_onednn is not None and projection.weight_t is None
     assert projection.row_gemv and torch.equal(projection.weight, weight)
+    if shared:  # read in place, not copied
+        assert projection.weight.data_ptr() == embeddings
     one = torch.randn(1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(projection(one), torch.ops.duoserve.row_gemv(one, weight, bias))
     expected = (one.double() @ weight.double().T + bias.double()).bfloat16()
@@ -112,7 +121,7 @@ def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_amx(
     assert not onednn_linear_available(torch.bfloat16)
 
 
-@needs_onednn_bf16
+@needs_one_row_copy
 @pytest.mark.parametrize("limit", [0, 1 << 30], ids=["over-the-limit", "within"])
 def test_a_model_keeps_its_rows_only_within_the_limit(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int

@@ -54,10 +54,10 @@ struct CachedRows {
 // The task's part of each token's row, token after token from rows.first, stepping through
 // the block table: no division per token (it cost more than the token's dot products).
 // Each step prefetches the row kLeadTokens ahead: the hardware prefetchers do not follow
-// the table, and without it the loads of cache rows were most of the kernel's time (perf).
-// One row a step keeps the prefetches spread out: a whole block's rows at once when
-// entering the block before ran 1.4x slower at 64 sequences and 1.6x at one.
-constexpr int kLeadTokens = 16;  // 8 to 32 measured within noise of each other
+// the table. Before, entering a block prefetched all of the next block's rows at once, and
+// perf still showed the loads of K and V rows stalling for most of the kernel's time; one
+// row a step ran 1.4x faster at 64 sequences and 1.6x at one (the Xeon with AMX, bfloat16).
+constexpr int kLeadTokens = 16;  // 8 (into L2), 24 and 32 measured alike
 
 template <typename scalar_t>
 class RowCursor {
