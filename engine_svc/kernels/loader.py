@@ -228,16 +228,17 @@ def row_gemv_available(dtype: torch.dtype) -> bool:
     projections against 22-33 on the AMD EPYC Zen 4)."""
     if dtype != torch.bfloat16 or torch_bf16_matmul_is_scalar() or onednn_linear_available(dtype):
         return False
-    build = loaded_build()
-    return build is not None and build.fast
+    return _fast_build_loaded()
 
 
 def one_row_copy_available(dtype: torch.dtype) -> bool:
     """Whether bfloat16 projections prepacked for oneDNN (AMX) can also keep their [out, in]
     weights for `row_gemv`'s single rows (Projection.use_onednn's keep_rows): the kernels
     built at a level where the GEMV was measured faster than torch."""
-    if not onednn_linear_available(dtype):
-        return False
+    return onednn_linear_available(dtype) and _fast_build_loaded()
+
+
+def _fast_build_loaded() -> bool:
     build = loaded_build()
     return build is not None and build.fast
 

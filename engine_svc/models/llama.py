@@ -315,16 +315,15 @@ class LlamaForCausalLM(nn.Module):
         packed = enabled and packed_linear_available(dtype)
         onednn = enabled and onednn_linear_available(dtype)
         row_gemv = enabled and row_gemv_available(dtype)
+        copy_bytes = self.projection_bytes(dtype)
         keep_rows = (
-            onednn
-            and one_row_copy_available(dtype)
-            and self.projection_bytes(dtype) <= ONE_ROW_COPY_MAX_BYTES
+            enabled and one_row_copy_available(dtype) and copy_bytes <= ONE_ROW_COPY_MAX_BYTES
         )
         if keep_rows:
             logger.info(
                 "one-row steps through the row GEMV, on a second copy of the projection "
                 "weights (%.2f GiB) beside oneDNN's prepacked one",
-                self.projection_bytes(dtype) / (1 << 30),
+                copy_bytes / (1 << 30),
             )
         for module in self.modules():
             if isinstance(module, Projection) and packed:
@@ -345,9 +344,8 @@ class LlamaForCausalLM(nn.Module):
     def projection_bytes(self, dtype: torch.dtype) -> int:
         """What this rank's projection weights take in `dtype`, an LM head tied to the
         embeddings excluded."""
-        element = torch.empty((), dtype=dtype).element_size()
         return sum(
-            module.in_features * module.out_features * element
+            module.in_features * module.out_features * dtype.itemsize
             for module in self.modules()
             if isinstance(module, Projection) and not module.shared_weight
         )
