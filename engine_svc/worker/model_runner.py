@@ -12,6 +12,7 @@ from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import cpu_kernels_available, describe, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
+from engine_svc.models.fast_paths import use_fused_ops
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
@@ -75,7 +76,7 @@ class ModelRunner:
         self.prefill_kernel = self.decode_kernel and prefill_attention_available(
             dtype, spec.head_dim
         )
-        self.model.use_fused_ops(self.cpu_kernels, dtype)
+        use_fused_ops(self.model, self.cpu_kernels, dtype)
         if device.type == "cpu":
             logger.info(
                 "%s", describe(dtype, spec.head_dim) if self.cpu_kernels else "CPU kernels off"

@@ -127,9 +127,9 @@ def test_a_model_keeps_its_rows_only_within_the_limit(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int
 ) -> None:
     from engine_svc import LLM
-    from engine_svc.models import llama
+    from engine_svc.models import fast_paths
 
-    monkeypatch.setattr(llama, "ONE_ROW_COPY_MAX_BYTES", limit)
+    monkeypatch.setattr(fast_paths, "ONE_ROW_COPY_MAX_BYTES", limit)
     llm = LLM(str(tiny_model_dir), dtype="bfloat16")
     try:
         model = llm.engine_core.executor.runner.model

@@ -1,0 +1,71 @@
+"""Which CPU fast path each module of a loaded model takes, by what this machine's kernels
+and torch's oneDNN serve for the dtype (engine_svc/kernels)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine_svc.kernels import (
+    one_row_copy_available,
+    onednn_linear_available,
+    packed_linear_available,
+    row_gemv_available,
+)
+from engine_svc.layers.linear import Projection
+from engine_svc.layers.norm import RMSNorm
+from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# bfloat16 on AMX: models whose projection weights take at most this keep a second,
+# [out, in] copy of them for one-row steps (Projection.use_onednn's keep_rows). Past it, the
+# copy's memory goes to the KV cache instead.
+ONE_ROW_COPY_MAX_BYTES = 1 << 30
+
+
+def use_fused_ops(model: LlamaForCausalLM, enabled: bool, dtype: torch.dtype) -> None:
+    """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
+    single passes, and the projections on packed weights where that kernel serves the dtype
+    (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX, single
+    rows through the row GEMV on a copy of the weights where it fits ONE_ROW_COPY_MAX_BYTES;
+    elsewhere a single row through the row GEMV, more rows through torch)."""
+    model.fused_ops = enabled
+    packed = enabled and packed_linear_available(dtype)
+    onednn = enabled and onednn_linear_available(dtype)
+    row_gemv = enabled and row_gemv_available(dtype)
+    copy_bytes = projection_bytes(model, dtype)
+    keep_rows = enabled and one_row_copy_available(dtype) and copy_bytes <= ONE_ROW_COPY_MAX_BYTES
+    if keep_rows:
+        logger.info(
+            "one-row steps through the row GEMV, on a second copy of the projection "
+            "weights (%.2f GiB) beside oneDNN's prepacked one",
+            copy_bytes / (1 << 30),
+        )
+    for module in model.modules():
+        if isinstance(module, Projection) and packed:
+            module.pack()
+        elif isinstance(module, Projection) and onednn:
+            module.use_onednn(keep_rows)
+        elif isinstance(module, Projection) and row_gemv:
+            module.use_row_gemv()
+        elif isinstance(module, RMSNorm):
+            # The C++ pass casts before the weight, as most families do.
+            if enabled and not (module.weight_in_float32 and dtype != torch.float32):
+                module.fuse()
+        elif isinstance(module, Attention):
+            module.fused_rotary = enabled
+        elif isinstance(module, MLP):
+            module.fused_act = enabled and module.act == "silu"
+
+
+def projection_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """What a model's projection weights take in `dtype`, an LM head tied to the embeddings
+    excluded."""
+    return sum(
+        module.in_features * module.out_features * dtype.itemsize
+        for module in model.modules()
+        if isinstance(module, Projection) and not module.shared_weight
+    )
