@@ -1,7 +1,8 @@
 """`python -m engine_svc.bench [MODE] ...`: `offline` (the default: our engine against
 Hugging Face `generate` on the same prompts), `serve` (through the frontend's gRPC API) or
 `openai` (any OpenAI-compatible server's streaming completions) or `overhead` (serve with
-an engine that runs no model: the stack's own cost).
+an engine that runs no model: the stack's own cost) or `prefix` (the time to first token of
+a prompt with a cached prefix, against none cached).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ MODES = {
     "serve": "engine_svc.bench.serve",
     "openai": "engine_svc.bench.openai_api",
     "overhead": "engine_svc.bench.overhead",
+    "prefix": "engine_svc.bench.prefix_ttft",
 }
 
 

@@ -38,7 +38,7 @@ from engine_svc.bench.alternating import (
     print_table,
     summarize,
 )
-from engine_svc.bench.worker import Worker, serve
+from engine_svc.bench.worker import Worker, serve, serve_workload, write_workload
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -167,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # output rate and write it to --result-file as JSON.
     parser.add_argument("--system", choices=["ours", "hf", "structured"], help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    # Internal: the worker runs these token ids (worker.write_workload), not a random workload.
+    parser.add_argument("--workload-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.system == "structured" and not args.result_file:
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
 def _vllm_worker(args: argparse.Namespace, workload: Workload, folder: Path) -> Worker:
     """vLLM in its own environment's Python, on the same token ids (vllm_worker.py)."""
     path = folder / "workload.json"
-    vllm_worker.write_workload(path, workload.prompts, workload.single_prompt, workload.output_len)
+    write_workload(path, workload.prompts, workload.single_prompt, workload.output_len)
     command = vllm_worker.command(args.vllm_python, args.model, args.dtype, args.seed, path)
     return Worker(command, env=vllm_worker.environment())
 
@@ -255,10 +257,13 @@ def _run_here(args: argparse.Namespace) -> None:
     if args.system == "structured":
         Path(args.result_file).write_text(json.dumps(measure_structured(args)))
         return
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    workload = make_workload(args, config["vocab_size"])
     if args.system == "ours":
         system = functools.partial(engine_system, args, num_threads)
     else:
         system = functools.partial(hf_system, args)
+    if args.workload_file is not None:
+        serve_workload(system, args.workload_file)
+        return
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    workload = make_workload(args, config["vocab_size"])
     serve(system, workload.prompts, workload.single_prompt, workload.output_len)

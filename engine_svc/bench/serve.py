@@ -4,14 +4,15 @@
     python -m engine_svc.bench serve --model DIR [--dataset random|shared-prefix|jsonl]
         [--request-rate R[,R...]] [--burstiness B] [--max-concurrency C[,C...]]
         [--frontend-address HOST:PORT [--engine-address HOST:PORT]]
-        [--result-file FILE.json] [--plot FILE.png]
+        [--result-file FILE.json] [--plot FILE.png] [--against-offline]
 
 Starts both services on 127.0.0.1 (the engine with `--engine-arg`s), or uses running ones.
 Each request asks for `ignore_eos`, so lengths are exact. Several rates or concurrencies
 sweep: one run each, the prefix cache emptied between runs (when the engine's address is
 known), a PNG of throughput against latency. Prints the machine and its ceilings, then each
 run's figures (vLLM `bench serve`'s: request/s, tokens/s, TTFT, TPOT, ITL, E2E), and writes
-them all as JSON.
+them all as JSON. `--against-offline` runs the same token ids through our offline API after
+each run (offline_baseline.py) and prints serve/offline.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from engine_svc.bench import offline_baseline
 from engine_svc.bench.load import (
     DTYPES,
     StreamError,
@@ -40,6 +42,7 @@ from engine_svc.bench.load import (
     vocab_size_of,
 )
 from engine_svc.bench.metrics import RequestRecord
+from engine_svc.bench.offline_baseline import OfflineBaseline
 from engine_svc.bench.services import Addresses, started
 from engine_svc.bench.workload import BenchRequest
 from shared.errors import InvalidRequestError
@@ -69,12 +72,18 @@ def parse_args(
         help="the started engine's, and the ceilings'")  # fmt: skip
     add("--skip-ceilings", action="store_true", help="no GEMM and copy ceilings (MFU, MBU)")
     add("--start-timeout", type=float, default=600.0)
+    if prog == "serve":
+        add("--against-offline", action="store_true",
+            help="after each run, the same token ids through our offline API in a process of "
+            "its own: serve/offline (give one concurrency several times to alternate)")  # fmt: skip
     add_load_arguments(parser)
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     check_load_arguments(parser, args)
     if args.frontend_address is None and args.model is None:
         parser.error("give --model (the services are started) or --frontend-address")
+    if getattr(args, "against_offline", False) and args.model is None:
+        parser.error("--against-offline runs the offline API on --model: give it")
     return args
 
 
@@ -92,7 +101,7 @@ class FrontendClient:
         self._next += 1
         stub = self._stubs[self._next % len(self._stubs)]
         try:
-            async for response in stub.GenerateStream(_message(request)):
+            async for response in stub.GenerateStream(request_message(request)):
                 now = time.perf_counter()
                 tokens = sum(len(choice.token_ids) for choice in response.choices)
                 if tokens:
@@ -109,7 +118,7 @@ class FrontendClient:
             await channel.close()
 
 
-def _message(request: BenchRequest) -> fpb.GenerateRequest:
+def request_message(request: BenchRequest) -> fpb.GenerateRequest:
     params = fpb.SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
     if request.prompt_token_ids is not None:
         return fpb.GenerateRequest(prompt_token_ids=request.prompt_token_ids,
@@ -147,13 +156,29 @@ def main(argv: list[str]) -> None:
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench serve: {error}")
     ceilings = measure_ceilings(args)  # before the services start: the machine is quiet
-    with services(args) as addresses:
+    with contextlib.ExitStack() as stack:
+        baseline = None
+        if args.against_offline:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            try:
+                baseline = OfflineBaseline(args.model, args.dtype, requests, folder)
+            except InvalidRequestError as error:
+                sys.exit(f"bench serve: {error}")
+            stack.callback(baseline.close)
+        addresses = stack.enter_context(services(args))
         runs = sweep(
             args,
             requests,
             lambda in_flight: FrontendClient(addresses.frontend, in_flight),
             lambda: reset_prefix_cache(addresses.engine),
             ceilings,
+            report=None if baseline is None else baseline.report,
         )
-    finish(args, {"mode": "serve", "num_prompts": len(requests),
-                  "engine_args": args.engine_arg}, runs)  # fmt: skip
+    result = {"mode": "serve", "num_prompts": len(requests), "engine_args": args.engine_arg}
+    if baseline is not None:
+        result |= (figures := offline_baseline.overall(runs))
+        if figures:
+            print(f"serve/offline output tokens/s: {figures['serve_over_offline']:.2f}x "
+                  f"(median of {len(runs)} runs; {figures['serve_over_offline_min']:.2f}x-"
+                  f"{figures['serve_over_offline_max']:.2f}x)")  # fmt: skip
+    finish(args, result, runs)

@@ -13,24 +13,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from engine_svc.bench.worker import serve
+from engine_svc.bench.worker import serve_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
-
-
-def write_workload(
-    path: Path, prompts: list[list[int]], single_prompt: list[int], output_len: int
-) -> None:
-    payload = {"prompts": prompts, "single_prompt": single_prompt, "output_len": output_len}
-    path.write_text(json.dumps(payload))
 
 
 def command(python: str, model: str, dtype: str, seed: int, workload: Path) -> list[str]:
@@ -67,9 +59,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", required=True, help="the JSON file the parent wrote")
     args = parser.parse_args()
-    workload = json.loads(Path(args.workload).read_text())
     system = functools.partial(vllm_system, args.model, args.dtype, args.seed)
-    serve(system, workload["prompts"], workload["single_prompt"], workload["output_len"])
+    serve_workload(system, Path(args.workload))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 ANSWER_PREFIX = "@@bench-answer "
 COMMANDS = ("batch", "single", "ttft", "quit")
+
+
+def write_workload(
+    path: Path, prompts: list[list[int]], single_prompt: list[int], output_len: int
+) -> None:
+    """The token ids a worker runs, as JSON: for one started apart from the parent's
+    arguments (vllm_worker.py, offline.py's `--workload-file`)."""
+    payload = {"prompts": prompts, "single_prompt": single_prompt, "output_len": output_len}
+    path.write_text(json.dumps(payload))
+
+
+def serve_workload(
+    system: Callable[[], contextlib.AbstractContextManager[Any]], path: Path
+) -> None:
+    """`serve` on the workload write_workload put in `path`."""
+    workload = json.loads(path.read_text())
+    serve(system, workload["prompts"], workload["single_prompt"], workload["output_len"])
 
 
 def serve(

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine_svc.bench import machine as bench_machine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +174,69 @@ def test_bench_overhead_runs_the_stack_without_a_model(
     summary = json.loads(result.read_text())
     assert summary["core_running"] == 4 and summary["core_cpu_ms_per_step"] > 0
     assert "ms CPU a step at 4 running" in done.stdout
+
+
+def test_bench_serve_against_offline_runs_the_offline_batch_after_each_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`bench serve --against-offline`: after each serve run, the offline API runs the same
+    token ids in its own process; each run has both throughputs and their ratio, and the
+    summary their median within the runs' range."""
+    result = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "serve", "--model", str(tiny_model_dir),
+        "--num-prompts", "4", "--input-len", "12", "--output-len", "6",
+        "--max-concurrency", "4,4", "--against-offline", "--engine-arg=--num-kv-blocks=256",
+        "--skip-ceilings", "--no-progress", "--result-file", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(result.read_text())
+    assert len(summary["runs"]) == 2
+    for run in summary["runs"]:
+        assert (run["completed"], run["total_output_tokens"]) == (4, 4 * 6)
+        assert run["offline_output_throughput"] > 0
+        ratio = run["output_throughput"] / run["offline_output_throughput"]
+        assert run["serve_over_offline"] == ratio
+    ratios = [run["serve_over_offline"] for run in summary["runs"]]
+    assert summary["serve_over_offline_min"] == min(ratios)
+    assert summary["serve_over_offline"] == sum(ratios) / 2  # the median of two
+    assert done.stdout.count("offline (LLM.generate, the same token ids") == 2
+    assert "serve/offline output tokens/s:" in done.stdout
+
+
+def test_against_offline_refuses_text_prompts_before_starting_anything(tmp_path: Path) -> None:
+    from engine_svc.bench.offline_baseline import OfflineBaseline
+    from engine_svc.bench.workload import BenchRequest
+    from shared.errors import InvalidRequestError
+
+    text = [BenchRequest(None, "Hello", 4)]
+    with pytest.raises(InvalidRequestError, match="against_offline"):
+        OfflineBaseline("unused", "float32", text, tmp_path)
+    uneven = [BenchRequest([1, 2], None, 4), BenchRequest([3], None, 5)]
+    with pytest.raises(InvalidRequestError, match="one output length"):
+        OfflineBaseline("unused", "float32", uneven, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_prefix_finds_the_shared_prefix_in_whole_blocks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`bench prefix`: each pair's second prompt shares 36 tokens with its first; the engine
+    serves the two whole 16-token blocks of them (32) from its cache, in every pair (the
+    cache is emptied before each)."""
+    result = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "engine_svc.bench", "prefix", "--model", str(tiny_model_dir),
+        "--input-len", "48", "--prefix-len", "36", "--pairs", "2",
+        "--engine-arg=--num-kv-blocks=256", "--result-file", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(result.read_text())
+    assert figures["mode"] == "prefix" and figures["pairs"] == 2
+    assert (figures["cached_tokens_min"], figures["cached_tokens_max"]) == (32, 32)
+    assert figures["median_uncached_ttft_ms"] > 0 and figures["median_cached_ttft_ms"] > 0
+    low, high = figures["cached_over_uncached_min"], figures["cached_over_uncached_max"]
+    assert 0 < low <= figures["cached_over_uncached"] <= high
+    assert "prompt tokens from the prefix cache: 32-32 of 36 shared" in done.stdout
