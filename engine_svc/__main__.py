@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     add("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="a streamed request's tokens go out every this many (the first and the last at "
+        "once): fewer, larger messages, less CPU per token (default: %(default)s)",
+    )
+    add(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -145,6 +152,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
+        stream_interval=args.stream_interval,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -37,6 +37,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
+    # Served streams wake their consumer every this many tokens (the first and the last at
+    # once): fewer, larger messages (engine_svc/client/output_stream.py).
+    stream_interval: int = 1
     cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
     fail_after_steps: int | None = None  # test hook: the forward raises after N steps
     # Benchmarks of the engine's own cost: no model runs, tokens follow a fixed cycle
@@ -54,6 +57,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]")
+        _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
         _check(self.max_concurrent_batches >= 1, "max_concurrent_batches", "must be >= 1")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")

@@ -56,6 +56,7 @@ class AsyncMPClient:
         num_ranks: int = 1,
     ) -> None:
         self._procs = EngineProcesses(config, num_ranks, shutdown_timeout_s, log_level)
+        self._stream_interval = config.stream_interval
         self._context = zmq.asyncio.Context()
         self._inputs = [self._context.socket(zmq.PUSH) for _ in range(num_ranks)]
         for socket, address in zip(self._inputs, self._procs.input_addresses, strict=True):
@@ -169,7 +170,7 @@ class AsyncMPClient:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         rank = self._select_rank(request)
         check_request(request, self.ready_engine_infos[rank])
-        stream = RequestOutputStream(request_id)
+        stream = RequestOutputStream(request_id, self._stream_interval)
         self._streams[request_id] = stream
         self._rank_of[request_id] = rank
         self.num_unfinished[rank] += 1

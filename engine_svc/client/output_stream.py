@@ -1,5 +1,9 @@
 """One request's outputs on their way to the consumer (the gRPC stream). When the consumer
-lags, pending outputs merge into one, so a slow stream costs one message, not one per step."""
+lags, pending outputs merge into one, so a slow stream costs one message, not one per step.
+With a stream interval N (vLLM's `--stream-interval`), the consumer is woken for the first
+token, then once N tokens are pending, and for the last output: fewer, larger messages
+through the engine service, the frontend and the client, at the price of tokens arriving
+in bursts of N."""
 
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ from engine_svc.messages import EngineCoreOutput
 
 
 class RequestOutputStream:
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, stream_interval: int = 1) -> None:
         self.request_id = request_id
+        self.stream_interval = stream_interval
+        self._released_first = False
         self._pending: EngineCoreOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -21,7 +27,15 @@ class RequestOutputStream:
             self._pending = output
         else:
             merge_into(self._pending, output)
-        self._ready.set()
+        pending = self._pending
+        if (
+            not self._released_first
+            or len(pending.new_token_ids) >= self.stream_interval
+            or pending.finished
+            or pending.error is not None
+        ):
+            self._released_first = True
+            self._ready.set()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:

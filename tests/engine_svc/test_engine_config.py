@@ -19,6 +19,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
+    ({"stream_interval": 0}, "stream_interval"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
     ({"master_port": 70000}, "master_port"),

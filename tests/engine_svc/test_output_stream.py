@@ -57,3 +57,36 @@ def test_get_waits_for_the_next_output() -> None:
         assert (await asyncio.wait_for(waiter, 1)).new_token_ids == [5]
 
     asyncio.run(body())
+
+
+def test_an_interval_wakes_the_reader_for_the_first_token_every_n_and_the_last() -> None:
+    async def body() -> None:
+        stream = RequestOutputStream("r", stream_interval=3)
+        stream.put(_output(1))
+        assert (await asyncio.wait_for(stream.get(), 1)).new_token_ids == [1]
+        waiter = asyncio.create_task(stream.get())
+        for token in (2, 3):
+            stream.put(_output(token))
+            await asyncio.sleep(0)  # the reader runs, and finds nothing ready
+            assert not waiter.done()
+        stream.put(_output(4))
+        assert (await asyncio.wait_for(waiter, 1)).new_token_ids == [2, 3, 4]
+        stream.put(_output(5, FinishReason.LENGTH))  # the last goes out at once
+        last = await asyncio.wait_for(stream.get(), 1)
+        assert last.new_token_ids == [5] and stream.is_done
+
+    asyncio.run(body())
+
+
+def test_an_error_is_not_held_back_by_the_interval() -> None:
+    async def body() -> None:
+        stream = RequestOutputStream("r", stream_interval=8)
+        stream.put(_output(1))
+        await stream.get()
+        stream.put(_output(2))
+        stream.fail(EngineDeadError("gone"))
+        assert (await asyncio.wait_for(stream.get(), 1)).new_token_ids == [2]
+        with pytest.raises(EngineDeadError):
+            await stream.get()
+
+    asyncio.run(body())
