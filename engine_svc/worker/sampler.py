@@ -40,8 +40,12 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
+        if not want_logprobs and all(_plain_greedy(r) for r in rows):
+            # The argmax of the model's own dtype: widening bfloat16 to float32 changes no
+            # value, so no index, and costs a copy of [rows, vocab] floats every step.
+            return logits.max(dim=-1).indices.tolist(), [None] * len(rows)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.banned_token_ids for r in rows):
             logits = _mask_banned(logits, rows)
@@ -108,6 +112,11 @@ class Sampler:
         sampled = (probs / noise).max(dim=-1).indices
         is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=self.device)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, with nothing to change in the logits first."""
+    return row.params.is_greedy and not row.banned_token_ids and not row.params.has_penalties
 
 
 def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

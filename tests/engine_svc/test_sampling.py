@@ -93,6 +93,24 @@ def test_penalties_turn_away_from_seen_tokens(penalty: dict[str, float]) -> None
     assert tokens == [5, 6]
 
 
+def test_greedy_in_bfloat16_picks_what_float32_picks_ties_included() -> None:
+    """Plain greedy rows take the argmax of the logits' own dtype (no float32 copy); rows
+    that want logprobs go through float32. Both pick the first of tied maxima."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=generator).bfloat16()
+    logits[0, 17] = logits[0, 240] = 9.0  # a tie: the first wins
+    logits[1, 5] = logits[1, 6] = logits[1, 7] = 8.0
+    plain = [SamplingRow(SamplingParams(temperature=0.0), 0, [1], []) for _ in range(6)]
+    with_logprobs = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=1), 0, [1], []) for _ in range(6)
+    ]
+    sampler = Sampler(torch.device("cpu"))
+    tokens, logprobs = sampler(logits, plain)
+    assert tokens[:2] == [17, 5] and logprobs == [None] * 6
+    assert tokens == logits.float().max(dim=-1).indices.tolist()
+    assert sampler(logits, with_logprobs)[0] == tokens
+
+
 def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.zeros(3, 16)
     logits[:, 7] = 50.0  # by far the most likely token in every row
