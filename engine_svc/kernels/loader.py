@@ -27,6 +27,7 @@ SOURCES = [
         "norm_rotary.cpp",
         "packed_linear.cpp",
         "row_gemv.cpp",
+        "argmax.cpp",
         "capability.cpp",
     )
 ]

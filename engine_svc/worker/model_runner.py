@@ -64,7 +64,6 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(model_dir, spec, dtype, device, collectives)
         self.num_layers = len(self.model.model.local_layers())
         self.num_kv_heads = self.model.shards.num_kv_heads
-        self.sampler = Sampler(device)
         self.kv_caches: list[KVCache] = []
         self.states: dict[str, RunnerRequestState] = {}
         self.num_steps = 0
@@ -77,6 +76,7 @@ class ModelRunner:
             dtype, spec.head_dim
         )
         use_fused_ops(self.model, self.cpu_kernels, dtype)
+        self.sampler = Sampler(device, argmax_kernel=self.cpu_kernels)
         if device.type == "cpu":
             logger.info(
                 "%s", describe(dtype, spec.head_dim) if self.cpu_kernels else "CPU kernels off"
