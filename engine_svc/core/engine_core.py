@@ -9,7 +9,6 @@ executors that take more than one.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -18,7 +17,7 @@ import torch
 
 from engine_svc.config import EngineConfig, SchedulerConfig
 from engine_svc.control_messages import EngineInfo
-from engine_svc.core.kv_cache.sizing import GiB, KVCachePlan, plan_kv_cache
+from engine_svc.core.kv_cache.sizing import KVCachePlan, cpu_budget_bytes, plan_kv_cache
 from engine_svc.core.request import Request
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.core.sched.scheduler import Scheduler
@@ -34,7 +33,6 @@ from shared.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
 
 
 class EngineCore:
@@ -127,10 +125,7 @@ class EngineCore:
             if self.config.kv_cache_memory_bytes is not None:
                 return self.config.kv_cache_memory_bytes
             return int(worker.device_total_bytes * self.config.gpu_memory_utilization)
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes // num_workers
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4) // num_workers
+        return cpu_budget_bytes(self.config.kv_cache_memory_bytes, num_workers)
 
     # ---- requests --------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ callback.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,7 @@ class UniProcExecutor(Executor):
         max_concurrent_batches: int = 1,
         fail_after_steps: int | None = None,
         cpu_kernels: bool = True,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         self.max_concurrent_batches = max_concurrent_batches
         if device.type == "cpu":
@@ -48,8 +50,9 @@ class UniProcExecutor(Executor):
         # runs a parallel op gets its own OpenMP team, and two spinning teams on a small
         # CPU slowed each decode step by half (84 vs 47 ms per token for one request).
         self.runner: ModelRunner = self._run_on_worker(
-            ModelRunner, model_dir, spec, dtype, device, block_size, fail_after_steps, cpu_kernels
-        )
+            functools.partial(ModelRunner, memory_budget_bytes=memory_budget_bytes),
+            model_dir, spec, dtype, device, block_size, fail_after_steps, cpu_kernels,
+        )  # fmt: skip
 
     def _run_on_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run `fn` on the worker thread and wait for it (start-up work)."""

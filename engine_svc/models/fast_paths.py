@@ -20,29 +20,49 @@ from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# bfloat16 on AMX: models whose projection weights take at most this keep a second,
-# [out, in] copy of them for one-row steps (Projection.use_onednn's keep_rows). Past it, the
-# copy's memory goes to the KV cache instead.
+# bfloat16 on AMX: models whose projection weights take at most this, and at most this share
+# of the worker's memory budget, keep a second, [out, in] copy of them for one-row steps
+# (Projection.use_onednn's keep_rows). Past either, the copy's memory goes to the KV cache.
 ONE_ROW_COPY_MAX_BYTES = 1 << 30
+ONE_ROW_COPY_BUDGET_SHARE = 1 / 8
 
 
-def use_fused_ops(model: LlamaForCausalLM, enabled: bool, dtype: torch.dtype) -> None:
+def one_row_copy_limit(budget_bytes: int | None) -> int:
+    """The most the one-row copy may take, for a worker with this memory budget (None: not
+    known, as for a model built outside an engine)."""
+    if budget_bytes is None:
+        return ONE_ROW_COPY_MAX_BYTES
+    return min(ONE_ROW_COPY_MAX_BYTES, int(budget_bytes * ONE_ROW_COPY_BUDGET_SHARE))
+
+
+def use_fused_ops(
+    model: LlamaForCausalLM, enabled: bool, dtype: torch.dtype, budget_bytes: int | None = None
+) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
     (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX, single
-    rows through the row GEMV on a copy of the weights where it fits ONE_ROW_COPY_MAX_BYTES;
-    elsewhere a single row through the row GEMV, more rows through torch)."""
+    rows through the row GEMV on a copy of the weights where it fits
+    one_row_copy_limit(budget_bytes); elsewhere a single row through the row GEMV, more rows
+    through torch)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
     onednn = enabled and onednn_linear_available(dtype)
     row_gemv = enabled and row_gemv_available(dtype)
     copy_bytes = projection_bytes(model, dtype)
-    keep_rows = enabled and one_row_copy_available(dtype) and copy_bytes <= ONE_ROW_COPY_MAX_BYTES
+    limit = one_row_copy_limit(budget_bytes)
+    keep_rows = enabled and one_row_copy_available(dtype) and copy_bytes <= limit
     if keep_rows:
         logger.info(
             "one-row steps through the row GEMV, on a second copy of the projection "
             "weights (%.2f GiB) beside oneDNN's prepacked one",
             copy_bytes / (1 << 30),
+        )
+    elif enabled and one_row_copy_available(dtype):
+        logger.info(
+            "no second copy of the projection weights for one-row steps: its %.2f GiB is "
+            "over %.2f GiB (an eighth of the memory budget, at most 1 GiB)",
+            copy_bytes / (1 << 30),
+            limit / (1 << 30),
         )
     for module in model.modules():
         if isinstance(module, Projection) and packed:

@@ -54,6 +54,7 @@ class ModelRunner:
         fail_after_steps: int | None = None,
         cpu_kernels: bool = True,
         collectives: Collectives = SINGLE,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         self.spec = spec
         self.dtype = dtype
@@ -75,7 +76,9 @@ class ModelRunner:
         self.prefill_kernel = self.decode_kernel and prefill_attention_available(
             dtype, spec.head_dim
         )
-        use_fused_ops(self.model, self.cpu_kernels, dtype)
+        # The budget this worker's weights, activations and KV cache share (None: not
+        # known): a second copy of the weights must leave the KV cache its room.
+        use_fused_ops(self.model, self.cpu_kernels, dtype, memory_budget_bytes)
         self.sampler = Sampler(device, argmax_kernel=self.cpu_kernels)
         if device.type == "cpu":
             logger.info(

@@ -3,6 +3,7 @@ the service's flags report it (`--scheduling-policy: ...`)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -45,3 +46,12 @@ def test_the_ranks_spread_evenly_over_the_nodes() -> None:
     )  # fmt: skip
     assert config.world_size == 4
     assert [list(config.node_ranks(node)) for node in (0, 1)] == [[0, 1], [2, 3]]
+
+
+def test_a_cpu_worker_s_budget_is_its_share_of_the_configured_or_default_one() -> None:
+    from engine_svc.core.kv_cache.sizing import CPU_DEFAULT_BUDGET_BYTES, GiB, cpu_budget_bytes
+
+    assert cpu_budget_bytes(8 * GiB, 2) == 4 * GiB
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cpu_budget_bytes(None, 1) == min(CPU_DEFAULT_BUDGET_BYTES, physical // 4)
+    assert cpu_budget_bytes(None, 4) == min(CPU_DEFAULT_BUDGET_BYTES, physical // 4) // 4

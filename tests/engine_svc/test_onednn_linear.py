@@ -140,3 +140,37 @@ def test_a_model_keeps_its_rows_only_within_the_limit(
         assert all(hasattr(p, "weight") == (limit > 0) for p in own)
     finally:
         llm.shutdown()
+
+
+def test_the_copy_takes_at_most_an_eighth_of_the_memory_budget() -> None:
+    from engine_svc.models.fast_paths import ONE_ROW_COPY_MAX_BYTES, one_row_copy_limit
+
+    assert one_row_copy_limit(None) == ONE_ROW_COPY_MAX_BYTES == 1 << 30
+    assert one_row_copy_limit(4 << 30) == 512 << 20
+    assert one_row_copy_limit(64 << 30) == 1 << 30
+
+
+@needs_one_row_copy
+def test_a_tight_memory_budget_leaves_the_kv_cache_the_copy_s_room(tiny_model_dir: Path) -> None:
+    """The engine's budget (kv_cache_memory_bytes) reaches the decision: with a budget eight
+    times the copy the weights are kept twice, a byte less and they are not."""
+    from engine_svc import LLM
+    from engine_svc.models.fast_paths import ONE_ROW_COPY_BUDGET_SHARE, projection_bytes
+
+    def rows_kept(budget: int | None) -> tuple[bool, int]:
+        llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64,
+                  kv_cache_memory_bytes=budget)  # fmt: skip
+        try:
+            model = llm.engine_core.executor.runner.model
+            projections = [m for m in model.modules() if isinstance(m, Projection)]
+            kept = {p.row_gemv for p in projections}
+            assert len(kept) == 1
+            return kept.pop(), projection_bytes(model, torch.bfloat16)
+        finally:
+            llm.shutdown()
+
+    kept, copy_bytes = rows_kept(None)
+    assert kept
+    roomy = int(copy_bytes / ONE_ROW_COPY_BUDGET_SHARE)
+    assert rows_kept(roomy)[0]
+    assert not rows_kept(roomy - 8)[0]

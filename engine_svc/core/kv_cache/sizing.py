@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 GiB = 1 << 30
+
+# On CPU, with no budget given: this much for all workers together, or a quarter of the
+# machine's memory where that is less.
+CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
+
+
+def cpu_budget_bytes(configured_bytes: int | None, num_workers: int) -> int:
+    """One CPU worker's share of the budget for weights, activations and KV cache: the
+    configured one, or the default; the workers share the host's memory."""
+    if configured_bytes is not None:
+        return configured_bytes // num_workers
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(CPU_DEFAULT_BUDGET_BYTES, physical // 4) // num_workers
 
 
 class KVCacheTooSmallError(RuntimeError):
