@@ -123,9 +123,9 @@ def main(argv: list[str]) -> None:
         f"\nprompt tokens from the prefix cache: {figures['cached_tokens_min']}-"
         f"{figures['cached_tokens_max']} of {args.prefix_len} shared"
     )
-    if figures["cached_tokens_min"] == 0:
-        sys.exit("a second prompt found nothing in the prefix cache: is prefix caching off?")
     if args.result_file is not None:
         result = {"mode": "prefix", **machine.identity(), "dtype": args.dtype, **figures}
         args.result_file.write_text(json.dumps(result, indent=2))
         print(f"results: {args.result_file}")
+    if figures["cached_tokens_min"] == 0:
+        sys.exit("a second prompt found nothing in the prefix cache: is prefix caching off?")

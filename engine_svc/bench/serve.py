@@ -29,7 +29,6 @@ from typing import Any
 
 import grpc
 
-from engine_svc.bench import offline_baseline
 from engine_svc.bench.load import (
     DTYPES,
     StreamError,
@@ -42,7 +41,7 @@ from engine_svc.bench.load import (
     vocab_size_of,
 )
 from engine_svc.bench.metrics import RequestRecord
-from engine_svc.bench.offline_baseline import OfflineBaseline
+from engine_svc.bench.offline_baseline import OfflineBaseline, overall
 from engine_svc.bench.services import Addresses, started
 from engine_svc.bench.workload import BenchRequest
 from shared.errors import InvalidRequestError
@@ -75,7 +74,8 @@ def parse_args(
     if prog == "serve":
         add("--against-offline", action="store_true",
             help="after each run, the same token ids through our offline API in a process of "
-            "its own: serve/offline (give one concurrency several times to alternate)")  # fmt: skip
+            "its own, with the engine's defaults (not --engine-arg): serve/offline (give one "
+            "concurrency several times to alternate)")  # fmt: skip
     add_load_arguments(parser)
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
@@ -176,7 +176,8 @@ def main(argv: list[str]) -> None:
         )
     result = {"mode": "serve", "num_prompts": len(requests), "engine_args": args.engine_arg}
     if baseline is not None:
-        result |= (figures := offline_baseline.overall(runs))
+        figures = overall(runs)
+        result |= figures
         if figures:
             print(f"serve/offline output tokens/s: {figures['serve_over_offline']:.2f}x "
                   f"(median of {len(runs)} runs; {figures['serve_over_offline_min']:.2f}x-"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine_svc.config import EngineConfig
-from engine_svc.core.kv_cache.sizing import cpu_budget_bytes
+from engine_svc.core.kv_cache.sizing import cpu_worker_budget_bytes
 from engine_svc.distributed.layout import ParallelLayout
 from engine_svc.executor.base import Executor
 from engine_svc.executor.uniproc import UniProcExecutor
@@ -38,5 +38,5 @@ def build_executor(
         config.max_concurrent_batches,
         config.fail_after_steps,
         config.cpu_kernels,
-        cpu_budget_bytes(config.kv_cache_memory_bytes, 1) if device.type == "cpu" else None,
+        cpu_worker_budget_bytes(config) if device.type == "cpu" else None,
     )

@@ -95,7 +95,7 @@ class _Worker:
     def __init__(self, args: WorkerProcArgs) -> None:
         import torch
 
-        from engine_svc.core.kv_cache.sizing import cpu_budget_bytes
+        from engine_svc.core.kv_cache.sizing import cpu_worker_budget_bytes
         from engine_svc.distributed.collectives import init_distributed
         from engine_svc.distributed.layout import ParallelLayout
         from engine_svc.models.model_spec import load_model_spec
@@ -125,11 +125,7 @@ class _Worker:
             config.fail_after_steps,
             config.cpu_kernels,
             collectives,
-            memory_budget_bytes=(
-                cpu_budget_bytes(config.kv_cache_memory_bytes, config.world_size)
-                if device.type == "cpu"
-                else None
-            ),
+            memory_budget_bytes=cpu_worker_budget_bytes(config) if device.type == "cpu" else None,
         )
         self.pending: dict[int, PendingSample] = {}
 

@@ -21,18 +21,21 @@ from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 # bfloat16 on AMX: models whose projection weights take at most this, and at most this share
-# of the worker's memory budget, keep a second, [out, in] copy of them for one-row steps
+# of what the worker's memory budget leaves after the weights (the KV cache's and the
+# activations' room), keep a second, [out, in] copy of them for one-row steps
 # (Projection.use_onednn's keep_rows). Past either, the copy's memory goes to the KV cache.
 ONE_ROW_COPY_MAX_BYTES = 1 << 30
-ONE_ROW_COPY_BUDGET_SHARE = 1 / 8
+ONE_ROW_COPY_ROOM_SHARE = 1 / 4
 
 
-def one_row_copy_limit(budget_bytes: int | None) -> int:
-    """The most the one-row copy may take, for a worker with this memory budget (None: not
-    known, as for a model built outside an engine)."""
+def one_row_copy_limit(budget_bytes: int | None, weight_bytes: int) -> int:
+    """The most the one-row copy may take, for a worker with this memory budget (None: the
+    budget does not size the KV cache, as with num_kv_blocks or outside an engine) and
+    weights of this size."""
     if budget_bytes is None:
         return ONE_ROW_COPY_MAX_BYTES
-    return min(ONE_ROW_COPY_MAX_BYTES, int(budget_bytes * ONE_ROW_COPY_BUDGET_SHARE))
+    room = max(budget_bytes - weight_bytes, 0)
+    return min(ONE_ROW_COPY_MAX_BYTES, int(room * ONE_ROW_COPY_ROOM_SHARE))
 
 
 def use_fused_ops(
@@ -49,7 +52,7 @@ def use_fused_ops(
     onednn = enabled and onednn_linear_available(dtype)
     row_gemv = enabled and row_gemv_available(dtype)
     copy_bytes = projection_bytes(model, dtype)
-    limit = one_row_copy_limit(budget_bytes)
+    limit = one_row_copy_limit(budget_bytes, tensor_bytes(model))
     keep_rows = enabled and one_row_copy_available(dtype) and copy_bytes <= limit
     if keep_rows:
         logger.info(
@@ -60,7 +63,8 @@ def use_fused_ops(
     elif enabled and one_row_copy_available(dtype):
         logger.info(
             "no second copy of the projection weights for one-row steps: its %.2f GiB is "
-            "over %.2f GiB (an eighth of the memory budget, at most 1 GiB)",
+            "over %.2f GiB (a quarter of the memory budget's room past the weights, at most "
+            "1 GiB)",
             copy_bytes / (1 << 30),
             limit / (1 << 30),
         )
@@ -79,6 +83,12 @@ def use_fused_ops(
             module.fused_rotary = enabled
         elif isinstance(module, MLP):
             module.fused_act = enabled and module.act == "silu"
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """What a model's parameters and buffers take."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def projection_bytes(model: nn.Module, dtype: torch.dtype) -> int:

@@ -12,7 +12,7 @@ from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.distributed.collectives import SINGLE, Collectives
 from engine_svc.kernels import cpu_kernels_available, describe, prefill_attention_available
 from engine_svc.messages import TokenLogprobs
-from engine_svc.models.fast_paths import use_fused_ops
+from engine_svc.models.fast_paths import tensor_bytes, use_fused_ops
 from engine_svc.models.llama import KVCache, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
@@ -76,8 +76,8 @@ class ModelRunner:
         self.prefill_kernel = self.decode_kernel and prefill_attention_available(
             dtype, spec.head_dim
         )
-        # The budget this worker's weights, activations and KV cache share (None: not
-        # known): a second copy of the weights must leave the KV cache its room.
+        # The budget this worker's weights, activations and KV cache share (None: it does
+        # not size the KV cache): a second copy of the weights must leave the cache room.
         use_fused_ops(self.model, self.cpu_kernels, dtype, memory_budget_bytes)
         self.sampler = Sampler(device, argmax_kernel=self.cpu_kernels)
         if device.type == "cpu":
@@ -88,8 +88,7 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         # The fused, transposed weights are buffers (the rotary tables too): count both.
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return tensor_bytes(self.model)
 
     def kv_bytes_per_block(self) -> int:
         """This worker's share: its layers, its K/V heads."""

@@ -48,10 +48,20 @@ def test_the_ranks_spread_evenly_over_the_nodes() -> None:
     assert [list(config.node_ranks(node)) for node in (0, 1)] == [[0, 1], [2, 3]]
 
 
-def test_a_cpu_worker_s_budget_is_its_share_of_the_configured_or_default_one() -> None:
-    from engine_svc.core.kv_cache.sizing import CPU_DEFAULT_BUDGET_BYTES, GiB, cpu_budget_bytes
+def test_a_cpu_worker_s_budget_is_its_share_of_the_configured_or_default_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_svc.core.kv_cache import sizing
 
-    assert cpu_budget_bytes(8 * GiB, 2) == 4 * GiB
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert cpu_budget_bytes(None, 1) == min(CPU_DEFAULT_BUDGET_BYTES, physical // 4)
-    assert cpu_budget_bytes(None, 4) == min(CPU_DEFAULT_BUDGET_BYTES, physical // 4) // 4
+    GiB = sizing.GiB
+    assert sizing.cpu_budget_bytes(8 * GiB, 2) == 4 * GiB
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 8 * GiB // 4096}  # an 8 GiB machine
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert sizing.cpu_budget_bytes(None, 1) == 2 * GiB  # a quarter of it, under 4 GiB
+    assert sizing.cpu_budget_bytes(None, 4) == GiB // 2
+    pages["SC_PHYS_PAGES"] = 64 * GiB // 4096
+    assert sizing.cpu_budget_bytes(None, 2) == 2 * GiB  # 4 GiB at most, shared
+    # What a worker is told before the KV cache is sized: nothing when num_kv_blocks sizes it.
+    ranks = EngineConfig(model="unused", kv_cache_memory_bytes=8 * GiB, tensor_parallel_size=2)
+    assert sizing.cpu_worker_budget_bytes(ranks) == 4 * GiB
+    assert sizing.cpu_worker_budget_bytes(EngineConfig(model="unused", num_kv_blocks=64)) is None

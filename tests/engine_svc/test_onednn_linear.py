@@ -142,35 +142,37 @@ def test_a_model_keeps_its_rows_only_within_the_limit(
         llm.shutdown()
 
 
-def test_the_copy_takes_at_most_an_eighth_of_the_memory_budget() -> None:
+def test_the_copy_takes_at_most_a_quarter_of_the_room_past_the_weights() -> None:
     from engine_svc.models.fast_paths import ONE_ROW_COPY_MAX_BYTES, one_row_copy_limit
 
-    assert one_row_copy_limit(None) == ONE_ROW_COPY_MAX_BYTES == 1 << 30
-    assert one_row_copy_limit(4 << 30) == 512 << 20
-    assert one_row_copy_limit(64 << 30) == 1 << 30
+    assert one_row_copy_limit(None, 5 << 30) == ONE_ROW_COPY_MAX_BYTES == 1 << 30
+    assert one_row_copy_limit(4 << 30, 2 << 30) == 512 << 20
+    assert one_row_copy_limit(64 << 30, 1 << 30) == 1 << 30
+    assert one_row_copy_limit(1 << 30, 2 << 30) == 0
 
 
 @needs_one_row_copy
 def test_a_tight_memory_budget_leaves_the_kv_cache_the_copy_s_room(tiny_model_dir: Path) -> None:
-    """The engine's budget (kv_cache_memory_bytes) reaches the decision: with a budget eight
-    times the copy the weights are kept twice, a byte less and they are not."""
-    from engine_svc import LLM
-    from engine_svc.models.fast_paths import ONE_ROW_COPY_BUDGET_SHARE, projection_bytes
+    """The runner's budget decides: with room past the weights four times the copy the
+    weights are kept twice, 8 bytes less and they are not; no budget, no limit but 1 GiB."""
+    from engine_svc.models.fast_paths import projection_bytes, tensor_bytes
+    from engine_svc.models.loader import load_model
+    from engine_svc.models.model_spec import load_model_spec
+    from engine_svc.worker.model_runner import ModelRunner
 
-    def rows_kept(budget: int | None) -> tuple[bool, int]:
-        llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64,
-                  kv_cache_memory_bytes=budget)  # fmt: skip
-        try:
-            model = llm.engine_core.executor.runner.model
-            projections = [m for m in model.modules() if isinstance(m, Projection)]
-            kept = {p.row_gemv for p in projections}
-            assert len(kept) == 1
-            return kept.pop(), projection_bytes(model, torch.bfloat16)
-        finally:
-            llm.shutdown()
+    spec = load_model_spec(str(tiny_model_dir))
+    cpu = torch.device("cpu")
+    loaded = load_model(str(tiny_model_dir), spec, torch.bfloat16, cpu)
+    roomy = tensor_bytes(loaded) + 4 * projection_bytes(loaded, torch.bfloat16)
 
-    kept, copy_bytes = rows_kept(None)
-    assert kept
-    roomy = int(copy_bytes / ONE_ROW_COPY_BUDGET_SHARE)
-    assert rows_kept(roomy)[0]
-    assert not rows_kept(roomy - 8)[0]
+    def rows_kept(budget: int | None) -> bool:
+        runner = ModelRunner(str(tiny_model_dir), spec, torch.bfloat16, cpu, 16,
+                             memory_budget_bytes=budget)  # fmt: skip
+        projections = [m for m in runner.model.modules() if isinstance(m, Projection)]
+        kept = {p.row_gemv for p in projections}
+        assert len(kept) == 1
+        return kept.pop()
+
+    assert rows_kept(None)
+    assert rows_kept(roomy)
+    assert not rows_kept(roomy - 8)

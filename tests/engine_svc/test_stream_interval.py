@@ -41,5 +41,5 @@ def test_tokens_leave_in_groups_of_the_interval(tiny_model_dir: Path, tmp_path: 
     # The first message leaves with the first token (more only if the reader lagged); every
     # later one but the last waited for INTERVAL tokens.
     assert all(len(message) >= INTERVAL for message in messages[1:-1])
+    # At one token a message there would be 11; a reader that lags only merges more.
     assert len(messages) <= 2 + (MAX_TOKENS - 1) // INTERVAL
-    assert len(messages) >= 2

@@ -5,11 +5,22 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from engine_svc.config import EngineConfig
+
 GiB = 1 << 30
 
 # On CPU, with no budget given: this much for all workers together, or a quarter of the
 # machine's memory where that is less.
 CPU_DEFAULT_BUDGET_BYTES = 4 * GiB
+
+
+def cpu_worker_budget_bytes(config: EngineConfig) -> int | None:
+    """The budget each CPU worker's weights, activations and KV cache share, for the choices
+    a worker makes before the KV cache is sized (fast_paths.one_row_copy_limit); None where
+    num_kv_blocks sizes the cache instead."""
+    if config.num_kv_blocks is not None:
+        return None
+    return cpu_budget_bytes(config.kv_cache_memory_bytes, config.world_size)
 
 
 def cpu_budget_bytes(configured_bytes: int | None, num_workers: int) -> int:
