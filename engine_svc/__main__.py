@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode attention in C++ on CPU, built on first start (default: %(default)s)",
     )
     add(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps through the model's Python loop over its layers, not the "
+        "C++ one (the kernels stay on)",
+    )
+    add(
         "--max-message-bytes",
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
@@ -157,6 +163,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kernels=args.cpu_kernels,
+        enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         nnodes=args.nnodes,

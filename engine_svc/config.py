@@ -41,6 +41,10 @@ class EngineConfig:
     # once): fewer, larger messages (engine_svc/client/output_stream.py).
     stream_interval: int = 1
     cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
+    # vLLM's name: every step through the model's Python loop over its layers, never the
+    # C++ loop of decode steps (engine_svc/models/decode_layers.py), as vLLM skips its
+    # captured graphs.
+    enforce_eager: bool = False
     fail_after_steps: int | None = None  # test hook: the forward raises after N steps
     # Benchmarks of the engine's own cost: no model runs, tokens follow a fixed cycle
     # (executor/null.py).

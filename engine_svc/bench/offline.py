@@ -59,6 +59,7 @@ def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[Genera
         num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enforce_eager=args.enforce_eager,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -144,6 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=1, help="our engine's stages"
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="our engine's decode steps through the model's Python loop (not the C++ one)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds of each system (medians)"

@@ -39,4 +39,5 @@ def build_executor(
         config.fail_after_steps,
         config.cpu_kernels,
         cpu_worker_budget_bytes(config) if device.type == "cpu" else None,
+        config.enforce_eager,
     )

@@ -40,6 +40,7 @@ class UniProcExecutor(Executor):
         fail_after_steps: int | None = None,
         cpu_kernels: bool = True,
         memory_budget_bytes: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.max_concurrent_batches = max_concurrent_batches
         if device.type == "cpu":
@@ -50,7 +51,11 @@ class UniProcExecutor(Executor):
         # runs a parallel op gets its own OpenMP team, and two spinning teams on a small
         # CPU slowed each decode step by half (84 vs 47 ms per token for one request).
         self.runner: ModelRunner = self._run_on_worker(
-            functools.partial(ModelRunner, memory_budget_bytes=memory_budget_bytes),
+            functools.partial(
+                ModelRunner,
+                memory_budget_bytes=memory_budget_bytes,
+                enforce_eager=enforce_eager,
+            ),
             model_dir, spec, dtype, device, block_size, fail_after_steps, cpu_kernels,
         )  # fmt: skip
 

@@ -126,6 +126,7 @@ class _Worker:
             config.cpu_kernels,
             collectives,
             memory_budget_bytes=cpu_worker_budget_bytes(config) if device.type == "cpu" else None,
+            enforce_eager=config.enforce_eager,
         )
         self.pending: dict[int, PendingSample] = {}
 

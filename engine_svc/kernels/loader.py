@@ -28,6 +28,7 @@ SOURCES = [
         "packed_linear.cpp",
         "row_gemv.cpp",
         "argmax.cpp",
+        "decode_layers.cpp",
         "capability.cpp",
     )
 ]

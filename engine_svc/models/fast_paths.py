@@ -16,6 +16,7 @@ from engine_svc.kernels import (
 )
 from engine_svc.layers.linear import Projection
 from engine_svc.layers.norm import RMSNorm
+from engine_svc.models.decode_layers import DecodeLayers
 from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -39,14 +40,19 @@ def one_row_copy_limit(budget_bytes: int | None, weight_bytes: int) -> int:
 
 
 def use_fused_ops(
-    model: LlamaForCausalLM, enabled: bool, dtype: torch.dtype, budget_bytes: int | None = None
+    model: LlamaForCausalLM,
+    enabled: bool,
+    dtype: torch.dtype,
+    budget_bytes: int | None = None,
+    decode_loop: bool = True,
 ) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
     (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX, single
     rows through the row GEMV on a copy of the weights where it fits
     one_row_copy_limit(budget_bytes); elsewhere a single row through the row GEMV, more rows
-    through torch)."""
+    through torch). `decode_loop`: decode steps run the layers in one C++ call where it
+    describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
     onednn = enabled and onednn_linear_available(dtype)
@@ -83,6 +89,9 @@ def use_fused_ops(
             module.fused_rotary = enabled
         elif isinstance(module, MLP):
             module.fused_act = enabled and module.act == "silu"
+    model.decode_layers = DecodeLayers.of(model) if decode_loop else None
+    if model.decode_layers is not None:
+        logger.info("decode steps run the decoder layers in one C++ loop")
 
 
 def tensor_bytes(model: nn.Module) -> int:

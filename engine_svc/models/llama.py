@@ -9,6 +9,8 @@ chooses for the backend.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,9 @@ from engine_svc.layers.norm import RMSNorm
 from engine_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.models.sharding import RankShards
+
+if TYPE_CHECKING:
+    from engine_svc.models.decode_layers import DecodeLayers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -278,8 +283,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if collectives.layout.is_last_stage:
             self.lm_head = Projection(spec.hidden_size, self.shards.vocab_per_rank, False)
-        # The C++ CPU kernels' passes (engine_svc/models/fast_paths.py sets it).
+        # The C++ CPU kernels' passes, and their loop over the layers for decode steps
+        # (engine_svc/models/fast_paths.py sets them).
         self.fused_ops = False
+        self.decode_layers: DecodeLayers | None = None
 
     def finish_loading(self) -> None:
         embed = self.model.embed_tokens
@@ -310,9 +317,12 @@ class LlamaForCausalLM(nn.Module):
         local_tables = tables
         if self.local_rotary is not None:
             local_tables = self._rotary_tables(self.local_rotary, positions, x.dtype)
-        for layer, kv_cache in zip(self.model.local_layers(), kv_caches, strict=True):
-            cos, sin = tables if layer.self_attn.window is None else local_tables
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if self.decode_layers is not None and self.decode_layers.serves(meta, len(x)):
+            x, residual = self.decode_layers(x, residual, tables, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.model.local_layers(), kv_caches, strict=True):
+                cos, sin = tables if layer.self_attn.window is None else local_tables
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         if self.model.norm is None:
             assert residual is not None
             return torch.stack((x, residual))

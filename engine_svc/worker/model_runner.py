@@ -55,6 +55,7 @@ class ModelRunner:
         cpu_kernels: bool = True,
         collectives: Collectives = SINGLE,
         memory_budget_bytes: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.spec = spec
         self.dtype = dtype
@@ -78,7 +79,9 @@ class ModelRunner:
         )
         # The budget this worker's weights, activations and KV cache share (None: it does
         # not size the KV cache): a second copy of the weights must leave the cache room.
-        use_fused_ops(self.model, self.cpu_kernels, dtype, memory_budget_bytes)
+        use_fused_ops(
+            self.model, self.cpu_kernels, dtype, memory_budget_bytes, decode_loop=not enforce_eager
+        )
         self.sampler = Sampler(device, argmax_kernel=self.cpu_kernels)
         if device.type == "cpu":
             logger.info(
