@@ -104,6 +104,8 @@ class KernelBuild:
     # Vectors per packed weight block, the register tile's fastest first (capability.cpp).
     block_vectors: tuple[int, ...]
     prefill_panel: int  # the prefill kernel's K/V panel width: head_dim must be a multiple
+    # bfloat16 decode attention scores by AVX512-BF16 dot products (paged_attention.cpp).
+    bf16_dot_products: bool = False
 
     @property
     def fast(self) -> bool:
@@ -123,6 +125,7 @@ def loaded_build() -> KernelBuild | None:
         int(ops.vector_lanes()),
         tuple(int(v) for v in ops.packed_block_vectors()),
         int(ops.prefill_attention_panel()),
+        bool(ops.bf16_dot_products()),
     )
 
 
@@ -131,7 +134,10 @@ def describe(dtype: torch.dtype, head_dim: int) -> str:
     build = loaded_build()
     if build is None:
         return "CPU kernels off: plain torch"
-    paths = ["decode attention", "fused norms, rotary and silu*up"]
+    attention = "decode attention"
+    if dtype == torch.bfloat16 and build.bf16_dot_products:
+        attention += " (bfloat16 dot products)"
+    paths = [attention, "fused norms, rotary and silu*up"]
     if packed_linear_available(dtype):
         paths.insert(0, "packed projections")
     elif onednn_linear_available(dtype):

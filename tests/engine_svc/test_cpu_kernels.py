@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine_svc.kernels import cpu_kernels_available, paged_decode_attention
+from engine_svc.kernels.loader import _cpu_flags, describe, loaded_build
 from engine_svc.layers.attention import AttentionMetadata, _decode_attention
 
 
@@ -132,6 +133,19 @@ def test_kernel_matches_torch_half_precision(
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
     if dtype == torch.bfloat16:  # float32 math rounded to nearest once: equal but at ties
         assert (got == expected.to(dtype)).double().mean().item() > 0.99
+
+
+def test_bfloat16_scores_take_dot_products_where_the_build_has_them() -> None:
+    """AVX512-BF16's vdpbf16ps in a native AVX-512 build on a CPU that has it (the tests
+    above then check its scores); widened float32 everywhere else."""
+    build = loaded_build()
+    assert build is not None
+    expected = (
+        build.level == "native" and build.capability == "avx512" and "avx512_bf16" in _cpu_flags()
+    )
+    assert build.bf16_dot_products == expected
+    assert ("bfloat16 dot products" in describe(torch.bfloat16, 64)) == expected
+    assert "dot products" not in describe(torch.float32, 64)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (10, 2)])

@@ -212,14 +212,16 @@ inline void store_as(fvec v, at::BFloat16* p) {  // rounded to nearest even, as 
   at::vec::convert(lanes, p, kLanes);
 }
 
+// The scores q.k * scale of kGroup query heads over the task's keys, kLanes tokens at a
+// time: each token's dot product folds into one vector, and one transpose-and-add tree turns
+// kLanes of them into kLanes scores. In float32; bfloat16 keys read by several query heads are
+// widened once per chunk, into `widened`, for all of them (not once per query head).
 template <int kDim, int kGroup, typename T>
-void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
-                    const T* __restrict v_cache, const CachedRows& rows, float scale,
-                    T* __restrict out, float* __restrict scores) {
+void float_scores(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
+                  const CachedRows& rows, float scale, float* __restrict scores,
+                  int64_t padded) {
   constexpr int kVecs = kDim / kLanes;
   const int64_t len = rows.count();
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-
   vreg query[kGroup][kVecs];  // scaled, so the dot products are the scores
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) {
@@ -227,8 +229,6 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
     }
   }
 
-  // Scores, kLanes tokens at a time. bfloat16 keys read by several query heads are widened
-  // once per chunk, into `widened`, for all of them (not once per query head).
   constexpr bool kWiden = !std::is_same_v<T, float> && kGroup > 1;
   using KeyRow = std::conditional_t<kWiden, const float*, const T*>;
   RowCursor<T> keys(rows, k_cache);
@@ -262,6 +262,67 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
       }
       transpose_sum(dots).store(scores + g * padded + start);
     }
+  }
+}
+
+// With AVX512-BF16 (vec.h's kBf16DotProducts), the same scores from bfloat16 pairs:
+// vdpbf16ps multiplies 32 bfloat16 keys by the query's and adds the products (exact in
+// float32) pairwise into 16 float32 sums, with no widening of the keys; the scale after the
+// sum. The sums run in another order than the float32 path's.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+
+template <int kDim, int kGroup>
+void bf16_dot_scores(const at::BFloat16* __restrict q, int64_t q_head_stride,
+                     const at::BFloat16* __restrict k_cache, const CachedRows& rows, float scale,
+                     float* __restrict scores, int64_t padded) {
+  constexpr int kPairs = kDim / 32;  // 32 bfloat16 values a vector
+  const int64_t len = rows.count();
+  __m512bh query[kGroup][kPairs];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int i = 0; i < kPairs; ++i) {
+      query[g][i] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * i);
+    }
+  }
+  RowCursor<at::BFloat16> keys(rows, k_cache);
+  const at::BFloat16* chunk_rows[kLanes];
+  const fvec scale_v(scale);
+  for (int64_t start = 0; start < len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, len - start);
+    for (int64_t t = 0; t < count; ++t) chunk_rows[t] = keys.next();
+    for (int g = 0; g < kGroup; ++g) {
+      vreg dots[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) {
+        __m512 sum = _mm512_setzero_ps();
+        if (t < count) {
+          for (int i = 0; i < kPairs; ++i) {
+            sum = _mm512_dpbf16_ps(sum, query[g][i],
+                                   (__m512bh)_mm512_loadu_si512(chunk_rows[t] + 32 * i));
+          }
+        }
+        dots[t] = sum;
+      }
+      (transpose_sum(dots) * scale_v).store(scores + g * padded + start);
+    }
+  }
+}
+#else
+template <int kDim, int kGroup>
+void bf16_dot_scores(const at::BFloat16*, int64_t, const at::BFloat16*, const CachedRows&, float,
+                     float*, int64_t) {}
+#endif
+
+template <int kDim, int kGroup, typename T>
+void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
+                    const T* __restrict v_cache, const CachedRows& rows, float scale,
+                    T* __restrict out, float* __restrict scores) {
+  constexpr int kVecs = kDim / kLanes;
+  const int64_t len = rows.count();
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+
+  if constexpr (kBf16DotProducts && std::is_same_v<T, at::BFloat16>) {
+    bf16_dot_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, scale, scores, padded);
+  } else {
+    float_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, scale, scores, padded);
   }
 
   // Softmax numerators in place; the padding past `len` becomes 0.

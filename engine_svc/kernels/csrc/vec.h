@@ -50,6 +50,14 @@ using vreg = fvec;
 
 inline vreg fmadd(vreg a, vreg b, vreg c) { return at::vec::fmadd(fvec(a), fvec(b), fvec(c)); }
 
+// AVX512-BF16's dot products of bfloat16 pairs (vdpbf16ps: Intel from Cooper Lake and
+// Sapphire Rapids, AMD Zen 4), where the build's -march has them.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kBf16DotProducts = true;
+#else
+constexpr bool kBf16DotProducts = false;
+#endif
+
 // Vector registers of the level: the register-tile kernels size their accumulators to fit.
 #if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
 constexpr int kVectorRegisters = 32;
