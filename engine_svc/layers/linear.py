@@ -29,6 +29,11 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     return torch.addmm(bias, x, weight_t)
 
 
+# Projection.forward's main paths, numbered as the C++ decode loop's Path enum
+# (engine_svc/kernels/csrc/decode_layers.cpp) numbers them.
+ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH = 1, 2, 3, 4
+
+
 class Projection(nn.Module):
     """A linear layer without nn.Linear's init cost, in one of three weight layouts:
     `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
@@ -131,3 +136,18 @@ class Projection(nn.Module):
         if self.weight_t is not None:
             return matmul(x, self.weight_t, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def kernel_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
+        """`forward`'s choice, for C++ code that runs it (decode_layers.cpp's `project`):
+        (the one-row GEMV's weight or None, the main path's weight, the bias or None),
+        (the main path, out_features). Kept beside forward: the two choose alike."""
+        row_weight = self.weight if self.row_gemv else None
+        if self.weight_onednn is not None:
+            path, weight = ONEDNN_PATH, self.weight_onednn
+        elif self.weight_packed is not None:
+            path, weight = PACKED_PATH, self.weight_packed
+        elif self.weight_t is not None:
+            path, weight = MATMUL_PATH, self.weight_t
+        else:
+            path, weight = LINEAR_PATH, self.weight
+        return [row_weight, weight, self.bias], [path, self.out_features]

@@ -16,28 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine_svc.layers.attention import AttentionMetadata
-from engine_svc.layers.linear import Projection
 from engine_svc.models.llama import MLP, DecoderLayer, KVCache, LlamaForCausalLM
-
-# A projection's main path, as decode_layers.cpp numbers them.
-ONEDNN, PACKED, MATMUL, LINEAR = 1, 2, 3, 4
-
-
-def projection_args(
-    projection: Projection,
-) -> tuple[list[torch.Tensor | None], list[int]]:
-    """What the C++ loop needs to run Projection.forward: (the one-row GEMV's weight or
-    None, the main path's weight, the bias or None), (main path, out_features)."""
-    if projection.weight_onednn is not None:
-        path, weight = ONEDNN, projection.weight_onednn
-    elif projection.weight_packed is not None:
-        path, weight = PACKED, projection.weight_packed
-    elif projection.weight_t is not None:
-        path, weight = MATMUL, projection.weight_t
-    else:
-        path, weight = LINEAR, projection.weight
-    row_weight = projection.weight if projection.row_gemv else None
-    return [row_weight, weight, projection.bias], [path, projection.out_features]
 
 
 def layer_supported(layer: DecoderLayer) -> bool:
@@ -77,7 +56,7 @@ class DecodeLayers:
             ]
             ints = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window or 0]
             for projection in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj):
-                projection_tensors, projection_ints = projection_args(projection)
+                projection_tensors, projection_ints = projection.kernel_args()
                 tensors += projection_tensors
                 ints += projection_ints
             self.weights.append(tensors)

@@ -17,8 +17,13 @@ import torch
 
 from engine_svc import LLM, SamplingParams
 from engine_svc.kernels import cpu_kernels_available, onednn_linear_available
-from engine_svc.layers.linear import Projection
-from engine_svc.models import decode_layers as decode_layers_module
+from engine_svc.layers.linear import (
+    LINEAR_PATH,
+    MATMUL_PATH,
+    ONEDNN_PATH,
+    PACKED_PATH,
+    Projection,
+)
 from engine_svc.models import fast_paths
 from engine_svc.models.decode_layers import DecodeLayers
 from engine_svc.models.llama import LlamaForCausalLM
@@ -147,20 +152,20 @@ def test_other_layers_keep_the_python_loop(llm_of: Any, name: str) -> None:
 
 # Each projection path, forced by what use_fused_ops is told this machine has.
 PATHS = {
-    "matmul": (torch.float32, {}, decode_layers_module.MATMUL, False),
-    "packed": (torch.float32, {"packed_linear_available"}, decode_layers_module.PACKED, False),
-    "linear+row": (torch.bfloat16, {"row_gemv_available"}, decode_layers_module.LINEAR, True),
+    "matmul": (torch.float32, {}, MATMUL_PATH, False),
+    "packed": (torch.float32, {"packed_linear_available"}, PACKED_PATH, False),
+    "linear+row": (torch.bfloat16, {"row_gemv_available"}, LINEAR_PATH, True),
     "packed-bf16": (
         torch.bfloat16,
         {"packed_linear_available"},
-        decode_layers_module.PACKED,
+        PACKED_PATH,
         False,
     ),
-    "onednn": (torch.bfloat16, {"onednn_linear_available"}, decode_layers_module.ONEDNN, False),
+    "onednn": (torch.bfloat16, {"onednn_linear_available"}, ONEDNN_PATH, False),
     "onednn+row": (
         torch.bfloat16,
         {"onednn_linear_available", "one_row_copy_available"},
-        decode_layers_module.ONEDNN,
+        ONEDNN_PATH,
         True,
     ),
 }
@@ -183,7 +188,7 @@ def test_each_projection_path(llm_of: Any, path: str, monkeypatch: pytest.Monkey
     loop = _model(llm).decode_layers
     assert loop is not None
     projections = [m for m in _model(llm).model.modules() if isinstance(m, Projection)]
-    assert {decode_layers_module.projection_args(p)[1][0] for p in projections} == {expected}
+    assert {p.kernel_args()[1][0] for p in projections} == {expected}
     assert all(p.row_gemv == rows for p in projections)
     both = _run(llm)
     assert 1 in both.steps and 3 in both.steps

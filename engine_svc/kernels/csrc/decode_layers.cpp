@@ -33,7 +33,8 @@ constexpr int64_t kTensorsPerLayer = 4 + 3 * kProjections;
 constexpr int64_t kIntsPerLayer = 4 + 2 * kProjections;
 constexpr int64_t kFloatsPerLayer = 3;
 
-// A projection's main path, as Projection.forward takes them (engine_svc/layers/linear.py).
+// A projection's main path, as Projection.forward takes them and Projection.kernel_args
+// numbers them (engine_svc/layers/linear.py).
 enum Path : int64_t {
   kOneDnn = 1,   // weight in oneDNN's blocked layout (mkldnn::_linear_pointwise)
   kPacked = 2,   // packed column blocks (duoserve::packed_linear)
@@ -98,11 +99,6 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
   return stack.back().toTensor();
 }
 
-std::optional<at::Tensor> optional_at(const c10::List<std::optional<at::Tensor>>& tensors,
-                                      int64_t index) {
-  return tensors.get(index);
-}
-
 at::Tensor required(const c10::List<std::optional<at::Tensor>>& tensors, int64_t index) {
   std::optional<at::Tensor> tensor = tensors.get(index);
   TORCH_CHECK(tensor.has_value(), "decode_layers: tensor ", index, " is missing");
@@ -113,9 +109,9 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>>& tensors, int64_t
 // else the main path.
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                    int64_t first, int64_t path, int64_t out_features) {
-  const std::optional<at::Tensor> row_weight = optional_at(tensors, first);
+  const std::optional<at::Tensor> row_weight = tensors.get(first);
   const at::Tensor weight = required(tensors, first + 1);
-  const std::optional<at::Tensor> bias = optional_at(tensors, first + 2);
+  const std::optional<at::Tensor> bias = tensors.get(first + 2);
   if (row_weight.has_value() && x.size(0) == 1) return ops().row_gemv.call(x, *row_weight, bias);
   switch (path) {
     case kOneDnn:
