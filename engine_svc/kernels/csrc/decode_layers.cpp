@@ -22,6 +22,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -127,6 +128,31 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
   }
 }
 
+// The new tokens' K (or V) rows into their cache slots, as paged_attention's index_copy_
+// does: each row is one contiguous run of `rows`' columns (a column range of the qkv
+// projection's output), copied whole. In place of reshape (a copy of k, whose rows are not
+// adjacent) and index_copy_ (TensorIterator's set-up, per call): at most a few hundred bytes
+// a token in a decode step.
+void write_cache_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
+  const int64_t tokens = rows.size(0), width = rows.size(1);
+  TORCH_CHECK(rows.stride(1) == 1 && cache.is_contiguous() && slots.is_contiguous() &&
+                  rows.scalar_type() == cache.scalar_type() &&
+                  slots.scalar_type() == at::kLong && slots.numel() == tokens &&
+                  cache.numel() % width == 0,
+              "decode_layers: K/V rows, their cache or the slot mapping are not as expected");
+  const int64_t num_slots = cache.numel() / width;
+  const int64_t bytes = width * rows.element_size();
+  const int64_t row_stride = rows.stride(0) * rows.element_size();
+  const char* src = static_cast<const char*>(rows.const_data_ptr());
+  char* dst = static_cast<char*>(cache.mutable_data_ptr());
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decode_layers: slot ", slot[t],
+                " is outside the cache's ", num_slots);
+    std::memcpy(dst + slot[t] * bytes, src + t * row_stride, bytes);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const at::Tensor& cos,
     const at::Tensor& sin, const c10::List<std::optional<at::Tensor>>& tensors,
@@ -170,8 +196,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     o.rotary.call(k, cos, sin);
     const at::Tensor k_cache = required(tensors, t0 + 2);
     const at::Tensor v_cache = required(tensors, t0 + 3);
-    k_cache.view({-1, kv_size}).index_copy_(0, slot_mapping, k.reshape({tokens, kv_size}));
-    v_cache.view({-1, kv_size}).index_copy_(0, slot_mapping, v);
+    write_cache_rows(qkv.narrow(1, q_size, kv_size), k_cache, slot_mapping);
+    write_cache_rows(v, v_cache, slot_mapping);
     const at::Tensor attn = o.attention.call(q, k_cache, v_cache, block_tables, context_lens,
                                              max_context_len, fl[2], window);
     const at::Tensor attn_out =
