@@ -87,15 +87,13 @@ def stream_errors(method: StreamMethod[ResponseT]) -> WriterMethod:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
         timeout_s: float | None = self.stream_write_timeout_s
         watch = None if timeout_s is None else _WriteWatch(timeout_s)
+        write = context.write if watch is None else functools.partial(watch.write, context)
         try:
             # aclosing: if gRPC drops this stream (the client cancelled), the method's own
             # clean-up (aborting the engine request) runs now, not whenever GC gets to it.
             async with contextlib.aclosing(method(self, request, context)) as responses:
                 async for response in responses:
-                    if watch is None:
-                        await context.write(response)
-                    else:
-                        await watch.write(context, response)
+                    await write(response)
         except StreamStalledError as error:
             await _abort_behind_unread_responses(context, error)
         except grpc.aio.AbortError:
@@ -155,6 +153,8 @@ class _WriteWatch:
     async def write(self, context: grpc.aio.ServicerContext, response: Any) -> None:
         self.write_started = self.loop.time()
         try:
+            # Nothing awaits between here and the write: while write_started is set, the task
+            # is suspended in the write (gRPC's write raises a cancel; it does not absorb it).
             await context.write(response)
         except asyncio.CancelledError:
             if self.stalled and self.task.uncancel() == 0:  # our cancel, and no one else's
@@ -173,9 +173,11 @@ class _WriteWatch:
 
     def _check(self) -> None:
         started, now = self.write_started, self.loop.time()
-        if started is not None and now - started >= self.timeout_s:
+        if started is not None and now >= started + self.timeout_s:
             self.stalled = True
             self.task.cancel()
             return
+        # Each write is measured from its own start: one that began after the timer was armed
+        # gets its whole bound.
         due = (now if started is None else started) + self.timeout_s
         self.timer = self.loop.call_at(due, self._check)
