@@ -67,10 +67,10 @@ def _model(llm: LLM) -> LlamaForCausalLM:
 
 class BothLoops:
     """Wraps a model's forward: each step the C++ loop serves runs again through the Python
-    loop, and the two hidden states must be equal. (The second run rewrites the step's K/V
-    slots with what the first wrote, if they agree.) Before that, both run the step as a
-    later pipeline stage would, from a given layer input and residual stream; the real step
-    then writes its own K/V over what that one wrote."""
+    loop, from the KV caches as they were before the step, and the two hidden states and
+    the caches they leave must be equal. Before that, both run the step as a later pipeline
+    stage would, from a given layer input and residual stream; the real step then writes its
+    own K/V over what that one wrote."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -96,12 +96,22 @@ class BothLoops:
         return fast
 
     def _both(self, loop: DecodeLayers, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        caches = [cache for pair in inputs[2] for cache in pair]
+        before = [cache.clone() for cache in caches]
         fast = self.forward(*inputs)
+        after_fast = [cache.clone() for cache in caches]
+        for cache, saved in zip(caches, before, strict=True):
+            cache.copy_(saved)
         self.model.decode_layers = None
         try:
             slow = self.forward(*inputs)
         finally:
             self.model.decode_layers = loop
+        for cache, fast_cache in zip(caches, after_fast, strict=True):
+            # as bytes: slots never written may hold NaN patterns, unequal to themselves
+            assert torch.equal(cache.view(torch.uint8), fast_cache.view(torch.uint8)), (
+                "the loops left different KV caches"
+            )
         return fast, slow
 
 

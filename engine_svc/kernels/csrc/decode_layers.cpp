@@ -4,8 +4,9 @@
 // kernels on): RMSNorm with the residual add, the fused q/k/v projection, rotary in place on
 // q and k, the new K/V written into their cache slots, paged decode attention, the output
 // projection, the second norm, gate/up, silu(gate) * up, down. The same operators run on the
-// same tensors in the same order, so the result is the Python loop's bit for bit; what goes
-// is the interpreter between them. In a one-request bfloat16 decode step on the 2-core Xeon
+// same tensors in the same order (the K/V rows are copied into the cache directly, the same
+// bytes index_copy_ writes), so the result is the Python loop's bit for bit; what goes is
+// the interpreter between them. In a one-request bfloat16 decode step on the 2-core Xeon
 // the Python around the ~14 operators of each layer kept one core busy and the other
 // spinning in OpenMP for about a third of the step.
 //
@@ -128,19 +129,22 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
   }
 }
 
-// The new tokens' K (or V) rows into their cache slots, as paged_attention's index_copy_
-// does: each row is one contiguous run of `rows`' columns (a column range of the qkv
-// projection's output), copied whole. In place of reshape (a copy of k, whose rows are not
-// adjacent) and index_copy_ (TensorIterator's set-up, per call): at most a few hundred bytes
-// a token in a decode step.
+// The new tokens' K (or V) rows, [tokens, kv_size] with rows strided, into their slots of a
+// [blocks, block_size, kv_heads, head_dim] cache, as paged_attention's index_copy_ writes
+// them: each row copied whole. In place of reshape (a copy of k, whose rows are not
+// adjacent in the qkv output) and index_copy_ (TensorIterator's set-up at every call): the
+// rows are kv_size elements each, one per token of the step.
 void write_cache_rows(const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1,
+              "decode_layers: K/V rows must be [tokens, kv_size], each row contiguous");
   const int64_t tokens = rows.size(0), width = rows.size(1);
-  TORCH_CHECK(rows.stride(1) == 1 && cache.is_contiguous() && slots.is_contiguous() &&
-                  rows.scalar_type() == cache.scalar_type() &&
-                  slots.scalar_type() == at::kLong && slots.numel() == tokens &&
-                  cache.numel() % width == 0,
-              "decode_layers: K/V rows, their cache or the slot mapping are not as expected");
-  const int64_t num_slots = cache.numel() / width;
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) * cache.size(3) == width,
+              "decode_layers: the cache must be contiguous with rows of ", width, " elements");
+  TORCH_CHECK(cache.scalar_type() == rows.scalar_type(),
+              "decode_layers: the cache and the K/V rows differ in dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              "decode_layers: the slot mapping must be one int64 slot a token");
+  const int64_t num_slots = cache.size(0) * cache.size(1);
   const int64_t bytes = width * rows.element_size();
   const int64_t row_stride = rows.stride(0) * rows.element_size();
   const char* src = static_cast<const char*>(rows.const_data_ptr());
@@ -196,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     o.rotary.call(k, cos, sin);
     const at::Tensor k_cache = required(tensors, t0 + 2);
     const at::Tensor v_cache = required(tensors, t0 + 3);
-    write_cache_rows(qkv.narrow(1, q_size, kv_size), k_cache, slot_mapping);
+    write_cache_rows(k.view({tokens, kv_size}), k_cache, slot_mapping);  // rotated in place
     write_cache_rows(v, v_cache, slot_mapping);
     const at::Tensor attn = o.attention.call(q, k_cache, v_cache, block_tables, context_lens,
                                              max_context_len, fl[2], window);
