@@ -14,7 +14,7 @@ import zmq.asyncio
 from engine_svc.admission import check_request
 from engine_svc.client.engine_procs import EngineProcesses
 from engine_svc.client.observer import GuardedObserver, NullObserver, RequestObserver
-from engine_svc.client.output_stream import RequestOutputStream
+from engine_svc.client.output_stream import OutputGroup, RequestOutputStream
 from engine_svc.client.proc_monitor import ProcessMonitor
 from engine_svc.client.utility_calls import PendingUtilityCalls, as_steps, unwrap
 from engine_svc.config import EngineConfig
@@ -163,14 +163,17 @@ class AsyncMPClient:
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def add_request_async(self, request: EngineCoreRequest) -> RequestOutputStream:
+    async def add_request_async(
+        self, request: EngineCoreRequest, group: OutputGroup | None = None
+    ) -> RequestOutputStream:
+        """The request's output stream, read alone or with the rest of `group`."""
         self.check_accepting()
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         rank = self._select_rank(request)
         check_request(request, self.ready_engine_infos[rank])
-        stream = RequestOutputStream(request_id, self._stream_interval)
+        stream = RequestOutputStream(request_id, self._stream_interval, group)
         self._streams[request_id] = stream
         self._rank_of[request_id] = rank
         self.num_unfinished[rank] += 1
@@ -179,7 +182,7 @@ class AsyncMPClient:
             await self._send(rank, RequestType.ADD, request)
         except BaseException:
             # Cancelled mid-send: the engine may or may not have the request.
-            self._abort_soon([request_id])
+            self.abort_soon([request_id])
             self._forget(request_id)
             raise
         return stream
@@ -196,14 +199,14 @@ class AsyncMPClient:
                     return
         finally:
             if not stream.is_done:
-                self._abort_soon([request.request_id])
+                self.abort_soon([request.request_id])
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort by id; ids not in flight are ignored. Their streams end with ABORT."""
         for rank, ids in self._by_rank(request_ids).items():
             await self._send(rank, RequestType.ABORT, ids)
 
-    def _abort_soon(self, request_ids: list[str]) -> None:
+    def abort_soon(self, request_ids: list[str]) -> None:
         """Abort from code that cannot wait (a generator being closed)."""
         if self.dead_error is not None:
             return

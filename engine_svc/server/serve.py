@@ -90,12 +90,14 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
         logger.info("serving %s", options.model_name)
         if await stop_reason == "dead":
             await health_servicer.enter_graceful_shutdown()
+            servicer.end_shared_calls()
             await asyncio.sleep(DEAD_LINGER_S)
             await server.stop(grace=STOP_GRACE_S)
             return 1
         await health_servicer.enter_graceful_shutdown()
         logger.info("shutting down: %s", _mode(options.shutdown_timeout_s))
         clean = await client.shutdown_async(options.shutdown_timeout_s)
+        servicer.end_shared_calls()
         await server.stop(grace=STOP_GRACE_S)
         return 0 if clean else 1
     finally:

@@ -4,7 +4,7 @@ converts back; shared.grpc_errors maps every exception to its status code."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import TypeAlias
 
@@ -12,6 +12,7 @@ import grpc
 
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.server import convert
+from engine_svc.server.generate_many import GenerateManyCall
 from engine_svc.server.tokenizer_files import read_chunks, tokenizer_files
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
 from shared.protos import engine_pb2 as pb
@@ -27,6 +28,12 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
         self.client = client
         self.model_dir = model_dir
         self.model_name = model_name
+        self.shared_calls: set[GenerateManyCall] = set()
+
+    def end_shared_calls(self) -> None:
+        """Each GenerateMany call ends with UNAVAILABLE once its requests have (shutdown)."""
+        for call in self.shared_calls:
+            call.close()
 
     @stream_errors
     async def Generate(
@@ -38,6 +45,22 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
             with convert.proto_field_names():
                 async for output in outputs:
                     yield convert.to_generate_response(output)
+
+    @stream_errors
+    async def GenerateMany(
+        self, requests: AsyncIterator[pb.GenerateManyRequest], context: Context
+    ) -> AsyncGenerator[pb.GenerateManyResponse, None]:
+        # If the call is cancelled, closing responses() aborts the requests still running.
+        # At once, before any request: the client waits for it before its first write.
+        await context.send_initial_metadata(())
+        call = GenerateManyCall(self.client)
+        self.shared_calls.add(call)
+        try:
+            async with contextlib.aclosing(call.responses(requests)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.shared_calls.discard(call)
 
     @unary_errors
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:

@@ -178,6 +178,40 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     assert service.wait_exit(timeout_s=20) == 0
 
 
+def test_sigterm_drains_a_generate_many_call_then_ends_it_unavailable(
+    launch: ServiceFactory,
+) -> None:
+    """The call's requests run to their end and a late one gets its own UNAVAILABLE; then the
+    engine ends the call itself (the server's stop would cancel it, after its grace)."""
+    service = launch("--shutdown-timeout", "60")
+
+    async def body() -> tuple[list[pb.GenerateManyResponse], grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            call = engine_stub(channel).GenerateMany()
+            requests = _long_requests(2, 200, "many")
+            await call.write(pb.GenerateManyRequest(requests=requests))
+            responses = [await call.read()]  # the requests are in the engine
+            service.process.send_signal(signal.SIGTERM)
+            while service.health() != NOT_SERVING:
+                await asyncio.sleep(0.02)
+            late = generate_request("late", [1, 2, 3], 4)
+            await call.write(pb.GenerateManyRequest(requests=[late]))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:  # read() raises the status
+                while (response := await call.read()) != grpc.aio.EOF:
+                    responses.append(response)
+            return responses, ended.value.code(), ended.value.details() or ""
+
+    responses, code, details = run_async(body)
+    assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+    tokens = {"many-0": 0, "many-1": 0}
+    for output in (o for r in responses for o in r.outputs):
+        tokens[output.request_id] += len(output.token_ids)
+    assert tokens == {"many-0": 200, "many-1": 200}
+    [error] = [e for r in responses for e in r.errors]
+    assert (error.request_id, error.code) == ("late", grpc.StatusCode.UNAVAILABLE.value[0])
+    assert service.wait_exit(timeout_s=20) == 0
+
+
 def test_sigterm_with_timeout_0_aborts_in_flight_requests_and_exits_0(
     launch: ServiceFactory,
 ) -> None:
