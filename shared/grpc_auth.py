@@ -184,10 +184,10 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def client_interceptors(token: ClientToken) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add `authorization: Bearer TOKEN` to every unary and
-    server-streaming call of a grpc.aio channel, TOKEN the current one at each call. Two
-    objects: a channel files each interceptor under the first call type it implements only."""
-    return [_UnaryWithToken(token), _StreamWithToken(token)]
+    """Interceptors that add `authorization: Bearer TOKEN` to every unary, server-streaming
+    and bidirectional call of a grpc.aio channel, TOKEN the current one at each call. One
+    object a call type: a channel files each interceptor under the first type it implements."""
+    return [_UnaryWithToken(token), _StreamWithToken(token), _BidiWithToken(token)]
 
 
 class _WithToken:
@@ -212,6 +212,13 @@ class _StreamWithToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self.with_token(client_call_details), request)
+
+
+class _BidiWithToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, requests: Any
+    ) -> Any:
+        return await continuation(self.with_token(client_call_details), requests)
 
 
 def read_client_token(token_file: Path | None, environ: Mapping[str, str], env_name: str) -> str:

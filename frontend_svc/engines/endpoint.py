@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.engines.convert import to_engine_load, to_model_info
+from frontend_svc.engines.multiplexer import Multiplexer
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
 from shared.grpc_auth import ClientToken, client_interceptors
@@ -77,6 +78,9 @@ class EngineEndpoint:
             )
         self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        # Requests go over one GenerateMany call per channel (multiplexer.py); a retired
+        # channel's call ends once its last request has.
+        self.mux = Multiplexer(self.stub, self.address)
 
     def start(self) -> None:
         self._health_task = asyncio.create_task(self._watch_health(), name=f"health {self.address}")
@@ -87,7 +91,9 @@ class EngineEndpoint:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.mux.drain()
         await self.channel.close(grace_s)
+        await self.mux.close()
         for channel, closing in list(self._retired.items()):
             closing.cancel()  # its calls get the same grace as the current channel's
             await channel.close(grace_s)
@@ -100,6 +106,7 @@ class EngineEndpoint:
             return
         logger.info("engine %s: the TLS client files changed; new calls use them", self.address)
         retired = self.channel
+        self.mux.drain()
         self._open_channel(credentials)
         closing = asyncio.create_task(retired.close(RETIRED_CHANNEL_GRACE_S))
         self._retired[retired] = closing

@@ -31,7 +31,14 @@ class EngineCallError:
 
 
 def classify(error: grpc.aio.AioRpcError, address: str, has_output: bool) -> EngineCallError:
-    code, details = error.code(), error.details() or ""
+    return classify_status(error.code(), error.details() or "", address, has_output)
+
+
+def classify_status(
+    code: grpc.StatusCode, details: str, address: str, has_output: bool
+) -> EngineCallError:
+    """What a request that ended with this status (its call's, or its own on a shared
+    call) means to the client."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         # The engine names the field as "field: message", the way our own errors do.
         field, _, message = details.partition(": ")

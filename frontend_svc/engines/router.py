@@ -1,6 +1,7 @@
 """Engine calls for one choice: on the least-loaded healthy engine, retried on another when an
 engine fails before its first response, and cancelled (so the engine aborts the request)
-whenever the caller stops listening."""
+whenever the caller stops listening. A request goes over the engine's shared GenerateMany
+call (multiplexer.py), or its own Generate call where the engine has no GenerateMany."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Protocol
 
 import grpc
 
 from frontend_svc.engines.convert import to_engine_output, to_generate_request
 from frontend_svc.engines.endpoint import EngineEndpoint
-from frontend_svc.engines.errors import EngineCallError, classify, engine_failed_mid_request
+from frontend_svc.engines.errors import (
+    EngineCallError,
+    classify,
+    classify_status,
+    engine_failed_mid_request,
+)
+from frontend_svc.engines.multiplexer import EngineStatusError, MultiplexingUnsupported
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
 from shared.errors import EngineUnavailableError
@@ -30,6 +37,10 @@ class EngineRequestFailed(Exception):
     """The engine ended the request with FINISH_REASON_ERROR."""
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> bool | None: ...
+
+
 class EngineCallStop:
     """Ends a choice's engine call early (a stop string matched, the client went away) by
     cancelling the call itself, so that its pending read ends on its own and the generator
@@ -39,7 +50,8 @@ class EngineCallStop:
 
     def __init__(self) -> None:
         self.requested = False
-        self.call: grpc.aio.UnaryStreamCall[Any, Any] | None = None  # the call in flight
+        # The call in flight: a Generate call, or a request on the shared GenerateMany call.
+        self.call: Cancellable | None = None
 
     def request(self) -> bool:
         """True when a call was in flight and is now cancelled; False when there is none to
@@ -79,6 +91,8 @@ class EngineRouter:
                 return
             except grpc.aio.AioRpcError as error:
                 failure = classify(error, endpoint.address, has_output)
+            except EngineStatusError as error:
+                failure = classify_status(error.code, error.details, endpoint.address, has_output)
             except EngineRequestFailed as error:
                 failure = _request_failed(endpoint.address, str(error), has_output)
             if not failure.is_retriable:
@@ -94,31 +108,72 @@ class EngineRouter:
         deadline: float | None,
         stop: EngineCallStop,
     ) -> AsyncGenerator[EngineOutput, None]:
-        timeout = _time_left(deadline)
         with endpoint.track_call():
-            call = endpoint.stub.Generate(to_generate_request(request), timeout=timeout)
-            stop.call = call
-            try:
-                async for response in call:
-                    output = to_engine_output(response)
-                    if output.finish_reason == FinishReason.ERROR:
-                        raise EngineRequestFailed(output.error or "the engine failed the request")
-                    yield output
-            except asyncio.CancelledError:
-                # grpc.aio raises this from a read of a call cancelled locally: when the stop
-                # did it (and this task is not being cancelled), the call ended as asked;
-                # when the channel did (closed under it after its grace: an address gone
-                # from DNS, rotated TLS files), the engine call failed, like a dropped one.
-                if _task_cancelling() or not call.cancelled():
-                    raise
-                if stop.requested:
+            if endpoint.mux.is_supported:
+                try:
+                    outputs = self._multiplexed(endpoint, request, deadline, stop)
+                    async with contextlib.aclosing(outputs):
+                        async for output in outputs:
+                            yield output
                     return
-                closed = "the channel to the engine closed under the call"
-                raise EngineRequestFailed(closed) from None
-            finally:
-                stop.call = None
-                # A no-op after the last message; otherwise the engine aborts the request.
-                call.cancel()
+                except MultiplexingUnsupported:
+                    pass  # nothing was sent: the request goes on a call of its own
+            outputs = self._own_call(endpoint, request, deadline, stop)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    yield output
+
+    async def _multiplexed(
+        self,
+        endpoint: EngineEndpoint,
+        request: EngineRequest,
+        deadline: float | None,
+        stop: EngineCallStop,
+    ) -> AsyncGenerator[EngineOutput, None]:
+        _time_left(deadline)  # raises once it has passed
+        handle = endpoint.mux.start(to_generate_request(request), deadline)
+        stop.call = handle
+        try:
+            async for response in handle.responses():
+                yield _checked(to_engine_output(response))
+        finally:
+            stop.call = None
+            handle.cancel()  # a no-op after the last response; otherwise the engine aborts
+
+    async def _own_call(
+        self,
+        endpoint: EngineEndpoint,
+        request: EngineRequest,
+        deadline: float | None,
+        stop: EngineCallStop,
+    ) -> AsyncGenerator[EngineOutput, None]:
+        timeout = _time_left(deadline)
+        call = endpoint.stub.Generate(to_generate_request(request), timeout=timeout)
+        stop.call = call
+        try:
+            async for response in call:
+                yield _checked(to_engine_output(response))
+        except asyncio.CancelledError:
+            # grpc.aio raises this from a read of a call cancelled locally: when the stop
+            # did it (and this task is not being cancelled), the call ended as asked;
+            # when the channel did (closed under it after its grace: an address gone
+            # from DNS, rotated TLS files), the engine call failed, like a dropped one.
+            if _task_cancelling() or not call.cancelled():
+                raise
+            if stop.requested:
+                return
+            closed = "the channel to the engine closed under the call"
+            raise EngineRequestFailed(closed) from None
+        finally:
+            stop.call = None
+            # A no-op after the last message; otherwise the engine aborts the request.
+            call.cancel()
+
+
+def _checked(output: EngineOutput) -> EngineOutput:
+    if output.finish_reason == FinishReason.ERROR:
+        raise EngineRequestFailed(output.error or "the engine failed the request")
+    return output
 
 
 def _task_cancelling() -> bool:

@@ -1,11 +1,14 @@
 """A scripted engine.v1.EngineCoreService in the test's own event loop, so the frontend's
 failure handling can be driven exactly: fail before or after the first token, hang, refuse
-input, and record which calls the frontend cancelled (what makes a real engine abort)."""
+input, and record which requests the frontend cancelled (what makes a real engine abort).
+It serves each request the same way on its own Generate call or on a shared GenerateMany
+call; with `multiplexed=False` it has no GenerateMany (UNIMPLEMENTED, as an older engine)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,19 +27,23 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     emits that many tokens, then holds until the frontend cancels it: a test that checks for
     the cancel never races the stream's own end, however slow the machine."""
 
+    multiplexed = True  # the default for new fakes; tests run with both
+
     def __init__(self, tokens: list[int], mode: str = "ok", hold_after: int | None = None) -> None:
         self.tokens = tokens
         self.mode = mode
         self.hold_after = hold_after
         self.calls: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
+        self.many_calls = 0  # GenerateMany calls opened
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
 
     async def start(self, serving: bool = True) -> FakeEngine:
-        engine_pb2_grpc.add_EngineCoreServiceServicer_to_server(self, self.server)
+        target = self.server if self.multiplexed else _WithoutGenerateMany(self.server)
+        engine_pb2_grpc.add_EngineCoreServiceServicer_to_server(self, target)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(self.address)
         await self.server.start()
@@ -52,23 +59,75 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self._script(request):
+                yield response
+        except _Failure as failure:
+            await context.abort(failure.code, failure.message)
+
+    async def GenerateMany(
+        self, requests: AsyncIterator[pb.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        """Each request runs its script in a task of its own; a request's failure is its own
+        error entry, except "fail_after", which ends the whole call (a dead engine)."""
+        self.many_calls += 1
+        await context.send_initial_metadata(())
+        out: asyncio.Queue[pb.GenerateManyResponse | _Failure] = asyncio.Queue()
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def serve(request: pb.GenerateRequest) -> None:
+            try:
+                async for response in self._script(request):
+                    out.put_nowait(pb.GenerateManyResponse(outputs=[response]))
+            except _Failure as failure:
+                if self.mode == "fail_after":
+                    out.put_nowait(failure)
+                    return
+                error = pb.RequestError(
+                    request_id=request.request_id,
+                    code=failure.code.value[0],
+                    message=failure.message,
+                )
+                out.put_nowait(pb.GenerateManyResponse(errors=[error]))
+
+        async def read() -> None:
+            async for message in requests:
+                for request in message.requests:
+                    running[request.request_id] = asyncio.create_task(serve(request))
+                for request_id in message.abort_request_ids:
+                    if request_id in running:
+                        running[request_id].cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, _Failure):
+                    await context.abort(item.code, item.message)
+                yield item
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(reader, *running.values(), return_exceptions=True)
+
+    async def _script(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's responses; a request not run to its end is recorded as cancelled."""
         self.calls.append(request)
         finished = False
         try:
-            async for response in self._responses(request, context):
+            async for response in self._responses(request):
                 yield response
             finished = True
         finally:
             if not finished:
                 self.cancelled.append(request.request_id)
 
-    async def _responses(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         if self.mode == "fail_before":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining")
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, "engine is draining")
         if self.mode == "invalid":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p: bad")
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p: bad")
         if self.mode == "hang":
             await _until_cancelled()
         limit = request.sampling_params.max_tokens or len(self.tokens)
@@ -79,7 +138,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                 request_id=request.request_id, token_ids=[token], finish_reason=reason
             )
             if self.mode == "fail_after":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "engine core died")
+                raise _Failure(grpc.StatusCode.UNAVAILABLE, "engine core died")
             if count == self.hold_after:
                 await _until_cancelled()
 
@@ -94,6 +153,29 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetLoadsResponse:
         return pb.GetLoadsResponse(loads=[pb.RankLoad(rank=0)])
+
+
+class _WithoutGenerateMany:
+    """Registers the service's methods but GenerateMany, which the server then answers
+    with UNIMPLEMENTED as a server built before it existed would."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # rebuilt from the registered handlers below, without GenerateMany
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        kept = {name: h for name, h in handlers.items() if name != "GenerateMany"}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, kept),))
+        self.server.add_registered_method_handlers(service, kept)
+
+
+class _Failure(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 async def _until_cancelled() -> None:

@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from frontend_svc.engines.endpoint import EngineEndpoint
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.router import EngineCallStop, EngineRouter
@@ -17,6 +19,8 @@ from frontend_svc.messages import EngineOutput, EngineRequest, SamplingOptions
 from frontend_svc.tokenizer import Tokenizer
 from tests.frontend_svc.fake_engine import FakeEngine
 from tests.frontend_svc.test_frontend_faults import TEXT, run, wait_for
+
+pytestmark = pytest.mark.usefixtures("engine_call_kind")
 
 
 @asynccontextmanager

@@ -24,6 +24,8 @@ from shared.frontend_protos import frontend_pb2 as pb
 from shared.frontend_protos import frontend_pb2_grpc
 from tests.frontend_svc.fake_engine import FakeEngine, free_port
 
+pytestmark = pytest.mark.usefixtures("engine_call_kind")
+
 TEXT = " one two three four five six seven eight nine ten" * 20
 
 

@@ -104,15 +104,12 @@ def test_a_slow_reader_holds_back_no_one_and_gets_its_tokens_merged(start: Calla
     # The engine finished the slow request too: it is not held back by its reader.
     _wait_until(lambda: engine.num_requests() == 0, "the engine idle")
     assert engine.generation_tokens_total() == NUM_CHOICES * (8 + NUM_TOKENS + 32)
-    # Every engine call has ended (one per choice of the three requests): the engine service
-    # wrote the slow stream's last output, and all of it waits in the frontend now.
-    _wait_until(
-        lambda: (
-            engine.metric_total("grpc_server_handled_total", grpc_method="Generate")
-            == 3 * NUM_CHOICES
-        ),
-        "the engine service done with every call",
-    )
+    # The frontend's requests share one GenerateMany call, whose responses keep the order in
+    # which the engine produced the outputs: once a request sent after the engine went idle
+    # has its answer, the slow stream's last output has reached the frontend too, and all of
+    # the slow stream waits there now.
+    probe = fpb.GenerateRequest(request_id="probe", prompt="p", sampling_params=greedy(1))
+    assert len(list(stub.GenerateStream(probe, timeout=WAIT_S))) >= 1
     pending = tree_rss_bytes(frontend.process.pid)
     growth = pending - before
     print(f"frontend resident memory: {before >> 20} MiB before, {pending >> 20} MiB with a "
