@@ -16,4 +16,8 @@ if str(GEN_DIR) not in sys.path:
 
 from engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 
-__all__ = ["GEN_DIR", "engine_pb2", "engine_pb2_grpc"]
+# The initial metadata an engine sends at the start of each GenerateMany call, before any
+# request: a client writes only once it has it (engine.proto says why).
+GENERATE_MANY_READY = ("generate-many", "ready")
+
+__all__ = ["GENERATE_MANY_READY", "GEN_DIR", "engine_pb2", "engine_pb2_grpc"]

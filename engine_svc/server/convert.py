@@ -83,9 +83,17 @@ def proto_field_names() -> Iterator[None]:
     try:
         yield
     except InvalidRequestError as error:
-        if error.field in SamplingParams.__struct_fields__:
-            raise InvalidRequestError(f"sampling_params.{error.field}", error.message) from error
+        renamed = proto_named(error)
+        if renamed is not error:
+            raise renamed from error
         raise
+
+
+def proto_named(error: Exception) -> Exception:
+    """`error`, with a sampling field named as the proto names it."""
+    if isinstance(error, InvalidRequestError) and error.field in SamplingParams.__struct_fields__:
+        return InvalidRequestError(f"sampling_params.{error.field}", error.message)
+    return error
 
 
 def to_abort_ids(request: pb.AbortRequest) -> list[str]:

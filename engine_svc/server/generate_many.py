@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
 
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.client.output_stream import OutputGroup, RequestOutputStream
@@ -15,8 +18,13 @@ from shared.errors import EngineUnavailableError, InvalidRequestError
 from shared.grpc_errors import status_for
 from shared.protos import engine_pb2 as pb
 
+logger = logging.getLogger(__name__)
+
 # A bound on one message's lists, as Generate's and Abort's fields have theirs.
 MAX_REQUESTS_PER_MESSAGE = 1024
+# A response grows by every request's pending tokens (more when the client lags): past this
+# many bytes, the rest goes in another, well below the transport's 16 MiB message limit.
+MAX_RESPONSE_BYTES = 4 << 20
 
 
 class GenerateManyCall:
@@ -42,12 +50,14 @@ class GenerateManyCall:
         try:
             while not (reader.done() and not self.live and self.group.is_empty):
                 ready, refused = await self.group.wait()
-                response = pb.GenerateManyResponse()
-                with convert.proto_field_names():
-                    for stream in ready:
-                        self._take(stream, response)
+                response, size = pb.GenerateManyResponse(), 0
                 for request_id, error in refused:
                     _add_error(response, request_id, error)
+                for stream in ready:
+                    size += self._take(stream, response)
+                    if size > MAX_RESPONSE_BYTES:  # the rest in another message
+                        yield response
+                        response, size = pb.GenerateManyResponse(), 0
                 if response.outputs or response.errors:
                     yield response
                 if reader.done():
@@ -61,17 +71,22 @@ class GenerateManyCall:
             if self.live:
                 self.client.abort_soon(list(self.live))
 
-    def _take(self, stream: RequestOutputStream, response: pb.GenerateManyResponse) -> None:
+    def _take(self, stream: RequestOutputStream, response: pb.GenerateManyResponse) -> int:
+        """Adds the stream's output (or error) to `response`; returns the bytes it added."""
         if stream.is_done:
-            return  # its end was handed over already
+            return 0  # its end was handed over already
+        size = 0
         try:
             output = stream.take()
         except Exception as error:
             _add_error(response, stream.request_id, error)
         else:
-            response.outputs.append(convert.to_generate_response(output))
+            converted = convert.to_generate_response(output)
+            size = converted.ByteSize()
+            response.outputs.append(converted)
         if stream.is_done:
             self.live.pop(stream.request_id, None)
+        return size
 
     async def _read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         async for message in requests:
@@ -106,7 +121,9 @@ class GenerateManyCall:
 
 
 def _add_error(response: pb.GenerateManyResponse, request_id: str, error: Exception) -> None:
-    code, message = status_for(error)
+    code, message = status_for(convert.proto_named(error))
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("request %s failed", request_id, exc_info=error)
     response.errors.append(
         pb.RequestError(request_id=request_id, code=code.value[0], message=message)
     )

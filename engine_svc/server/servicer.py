@@ -15,8 +15,8 @@ from engine_svc.server import convert
 from engine_svc.server.generate_many import GenerateManyCall
 from engine_svc.server.tokenizer_files import read_chunks, tokenizer_files
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
+from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
-from shared.protos import engine_pb2_grpc
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
@@ -29,9 +29,12 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
         self.model_dir = model_dir
         self.model_name = model_name
         self.shared_calls: set[GenerateManyCall] = set()
+        self.ending_shared_calls = False
 
     def end_shared_calls(self) -> None:
-        """Each GenerateMany call ends with UNAVAILABLE once its requests have (shutdown)."""
+        """Each GenerateMany call, and any opened from now on, ends with UNAVAILABLE once
+        its requests have (the engine is going away)."""
+        self.ending_shared_calls = True
         for call in self.shared_calls:
             call.close()
 
@@ -52,9 +55,11 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
     ) -> AsyncGenerator[pb.GenerateManyResponse, None]:
         # If the call is cancelled, closing responses() aborts the requests still running.
         # At once, before any request: the client waits for it before its first write.
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata((GENERATE_MANY_READY,))
         call = GenerateManyCall(self.client)
         self.shared_calls.add(call)
+        if self.ending_shared_calls:
+            call.close()
         try:
             async with contextlib.aclosing(call.responses(requests)) as responses:
                 async for response in responses:

@@ -95,10 +95,12 @@ def test_requests_on_one_call_match_the_engine_with_a_message_a_step(
                 finished[output.request_id] = output.finish_reason
     assert [tokens[f"many-{i}"] for i in range(NUM_REQUESTS)] == expected
     assert len(finished) == NUM_REQUESTS
-    # Step k gives a token to every request with more than k to make (5 + i tokens each):
-    # one response a step, where Generate would send one message a request and step.
-    assert [len(r.outputs) for r in responses[:5]] == [NUM_REQUESTS] * 5
-    assert len(responses) == 5 + NUM_REQUESTS - 1
+    # The first step gives every request its first token, all in the first response (the
+    # outputs of a step reach the call together); later steps give one response each at
+    # most (fewer when the call's writer lags and steps merge), where Generate would send a
+    # message per request and step: 12 x 5 + 66 = 126 here.
+    assert len(responses[0].outputs) == NUM_REQUESTS
+    assert len(responses) <= 5 + NUM_REQUESTS - 1
 
 
 def test_a_bad_request_gets_its_own_error_and_the_others_run(service: ServiceProcess) -> None:
