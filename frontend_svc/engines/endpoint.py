@@ -50,6 +50,8 @@ class EngineEndpoint:
         self.poll_interval_s = poll_interval_s
         self.on_change = on_change
         # With a token, every call carries it (the engine may require one).
+        self._auth_token = auth_token
+        self._retired_muxes: set[Multiplexer] = set()  # draining on the current channel
         self._interceptors = None if auth_token is None else client_interceptors(auth_token)
         # Under TLS, rewritten certificate files (a rotated secret) open a new channel.
         self._tls_files = None if tls is None else FilesWatcher(tls.files(), tls.credentials)
@@ -78,9 +80,13 @@ class EngineEndpoint:
             )
         self.stub = engine_pb2_grpc.EngineCoreServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        # Requests go over one GenerateMany call per channel (multiplexer.py); a retired
-        # channel's call ends once its last request has.
+        self._new_mux()
+
+    def _new_mux(self) -> None:
+        # Requests go over one GenerateMany call (multiplexer.py), carrying the token of the
+        # time it opened; one retired (a new channel, a new token) ends after its last request.
         self.mux = Multiplexer(self.stub, self.address)
+        self._mux_token = None if self._auth_token is None else self._auth_token.current()
 
     def start(self) -> None:
         self._health_task = asyncio.create_task(self._watch_health(), name=f"health {self.address}")
@@ -91,9 +97,12 @@ class EngineEndpoint:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.mux.drain()
+        muxes = [self.mux, *self._retired_muxes]
+        for mux in muxes:
+            mux.drain()
         await self.channel.close(grace_s)
-        await self.mux.close()
+        for mux in muxes:
+            await mux.close()
         for channel, closing in list(self._retired.items()):
             closing.cancel()  # its calls get the same grace as the current channel's
             await channel.close(grace_s)
@@ -168,6 +177,20 @@ class EngineEndpoint:
             self._set_serving(False)
             await asyncio.sleep(self.poll_interval_s)
 
+    def multiplexer(self) -> Multiplexer:
+        """The shared call for a new request: one that carries the token as it is now (the
+        engine may stop accepting the old one as soon as the rotation is done)."""
+        self._follow_token_rotation()
+        return self.mux
+
+    def _follow_token_rotation(self) -> None:
+        if self._auth_token is not None and self._auth_token.current() != self._mux_token:
+            logger.info("engine %s: the token changed; new requests use it", self.address)
+            retired = self.mux
+            self._new_mux()
+            retired.drain()
+            self._retired_muxes = {m for m in self._retired_muxes if m.is_open} | {retired}
+
     async def _poll_loads(self) -> None:
         while True:
             self._follow_tls_rotation()
@@ -184,6 +207,9 @@ class EngineEndpoint:
     def _set_serving(self, serving: bool) -> None:
         if serving:
             self.suspended_until = 0.0
+            if not self.is_serving:
+                # Back after an outage: perhaps another version now (a rolling upgrade).
+                self.mux.is_supported = True
         if serving != self.is_serving:
             logger.info("engine %s is %s", self.address, "serving" if serving else "not serving")
             self.is_serving = serving

@@ -11,7 +11,6 @@ during a rolling upgrade) answers UNIMPLEMENTED: the router then uses Generate t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,14 +18,29 @@ from typing import Any
 
 import grpc
 
+from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
-from shared.protos import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 # As the engine bounds them (engine_svc/server/generate_many.py).
 MAX_REQUESTS_PER_MESSAGE = 1024
+# Far below the channel's 16 MiB message limit, which would fail the whole call: a burst of
+# long prompts goes out over several messages.
+MAX_MESSAGE_BYTES = 4 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# How long a call without the engine's GenerateMany marker may take to end with its status.
+MARKERLESS_STATUS_WAIT_S = 5.0
+# Statuses that describe one request, not a whole call: a call ending with one of them
+# (an engine's bound on its messages) is an engine fault to the requests on it.
+_REQUEST_STATUSES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 class EngineStatusError(Exception):
@@ -36,6 +50,9 @@ class EngineStatusError(Exception):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+    def copy(self) -> EngineStatusError:
+        return EngineStatusError(self.code, self.details)
 
 
 class MultiplexingUnsupported(Exception):
@@ -104,10 +121,14 @@ class Multiplexer:
         self.is_draining = False
         self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self._requests: dict[str, MultiplexedRequest] = {}
-        self._adds: list[pb.GenerateRequest] = []
+        self._unsent: dict[str, pb.GenerateRequest] = {}  # in the order they came
         self._aborts: list[str] = []
         self._outbox = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def is_open(self) -> bool:
+        return self._call is not None
 
     def start(self, request: pb.GenerateRequest, deadline: float | None) -> MultiplexedRequest:
         """Send `request` with the call's next message. `deadline` on time.monotonic()."""
@@ -117,24 +138,28 @@ class Multiplexer:
             self._open()
         handle = MultiplexedRequest(request.request_id, self, deadline)
         self._requests[request.request_id] = handle
-        self._adds.append(request)
+        self._unsent[request.request_id] = request
         self._outbox.set()
         return handle
 
     def abort(self, handle: MultiplexedRequest) -> None:
-        """Forget the request here at once; the engine aborts it with the next message."""
+        """Forget the request here at once; the engine aborts it with the next message (or
+        never hears of it, if it was not sent yet)."""
         handle._end()
         if self._requests.get(handle.request_id) is handle:
             del self._requests[handle.request_id]
-            self._aborts.append(handle.request_id)
-            self._outbox.set()
-            self._end_if_drained()
+            if self._unsent.pop(handle.request_id, None) is None:
+                self._aborts.append(handle.request_id)
+                self._outbox.set()
+            if self._call is not None:
+                self._end_if_drained(self._call)
 
     def drain(self) -> None:
         """No new requests will come (the channel is closing): end the call once the last
         request on it has ended, so that the channel's close need not wait out its grace."""
         self.is_draining = True
-        self._end_if_drained()
+        if self._call is not None:
+            self._end_if_drained(self._call)
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -151,45 +176,49 @@ class Multiplexer:
         ]
 
     async def _write(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            # The engine answers with its initial metadata at once. Writing before it came
-            # would race an engine without the method: a write into a call it has already
-            # ended turns the call's UNIMPLEMENTED into INTERNAL on this side.
-            await call.initial_metadata()
-            if call.done():
+        try:
+            # The engine's initial metadata says it serves GenerateMany. Without it the
+            # call has ended (an engine without the method, or one refusing the call): its
+            # status says why. Nothing is written then: a write into a call the server has
+            # ended turns its status into INTERNAL on this side.
+            metadata = await call.initial_metadata()
+            if GENERATE_MANY_READY not in tuple(metadata or ()):
+                self._end(call, await _status_without_marker(call))
                 return
             while True:
                 await self._outbox.wait()
                 self._outbox.clear()
-                while self._adds or self._aborts:
-                    adds = self._adds[:MAX_REQUESTS_PER_MESSAGE]
-                    del self._adds[:MAX_REQUESTS_PER_MESSAGE]
-                    aborts = self._aborts[: MAX_REQUESTS_PER_MESSAGE - len(adds)]
-                    del self._aborts[: len(aborts)]
-                    message = pb.GenerateManyRequest(requests=adds, abort_request_ids=aborts)
-                    await call.write(message)
-        # A failed write means the call ended: the reader hears why and fails the requests.
+                while self._unsent or self._aborts:
+                    await call.write(self._next_message())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call ended: the reader hears why and fails its requests
+        except Exception as error:  # not expected: the call cannot go on without a writer
+            logger.exception("GenerateMany to %s: writing failed", self.address)
+            self._end(call, EngineStatusError(grpc.StatusCode.UNKNOWN, f"writing: {error!r}"))
+
+    def _next_message(self) -> pb.GenerateManyRequest:
+        message = pb.GenerateManyRequest()
+        size = 0
+        while self._unsent and len(message.requests) < MAX_REQUESTS_PER_MESSAGE:
+            request = next(iter(self._unsent.values()))
+            size += request.ByteSize()
+            if message.requests and size > MAX_MESSAGE_BYTES:
+                break
+            message.requests.append(self._unsent.pop(request.request_id))
+        room = MAX_REQUESTS_PER_MESSAGE - len(message.requests)
+        message.abort_request_ids.extend(self._aborts[:room])
+        del self._aborts[:room]
+        return message
 
     async def _read(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
+        ended: Exception
         try:
             async for response in call:
-                for output in response.outputs:
-                    handle = self._requests.get(output.request_id)
-                    if handle is not None:
-                        if output.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                            del self._requests[output.request_id]
-                        handle.put(output)
-                for error in response.errors:
-                    handle = self._requests.pop(error.request_id, None)
-                    if handle is not None:
-                        code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-                        handle.fail(EngineStatusError(code, error.message))
-                self._end_if_drained()
-            ended: Exception = EngineStatusError(
-                grpc.StatusCode.UNAVAILABLE, "the engine ended the GenerateMany call"
-            )
+                self._dispatch(response)
+                self._end_if_drained(call)
+            ended = EngineStatusError(grpc.StatusCode.UNAVAILABLE, "the engine ended the call")
         except grpc.aio.AioRpcError as error:
-            ended = EngineStatusError(error.code(), error.details() or "")
+            ended = _call_status(error.code(), error.details() or "")
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling() > 0:  # close(): the frontend stops
@@ -199,29 +228,64 @@ class Multiplexer:
             # closed under it (an address gone from DNS, rotated TLS files).
             closed = "the channel to the engine closed under the call"
             ended = EngineStatusError(grpc.StatusCode.CANCELLED, closed)
+        except Exception as error:  # not expected: no request on the call may be left waiting
+            logger.exception("GenerateMany from %s: reading failed", self.address)
+            ended = EngineStatusError(grpc.StatusCode.UNKNOWN, f"reading: {error!r}")
         self._end(call, ended)
 
-    def _end_if_drained(self) -> None:
-        if self.is_draining and not self._requests and self._call is not None:
-            self._end(self._call, EngineStatusError(grpc.StatusCode.CANCELLED, "drained"))
+    def _dispatch(self, response: pb.GenerateManyResponse) -> None:
+        for output in response.outputs:
+            handle = self._requests.get(output.request_id)
+            if handle is not None:
+                if output.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    del self._requests[output.request_id]
+                handle.put(output)
+        for error in response.errors:
+            handle = self._requests.pop(error.request_id, None)
+            if handle is not None:
+                code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+                handle.fail(EngineStatusError(code, error.message))
 
-    def _end(self, call: grpc.aio.StreamStreamCall[Any, Any], error: Exception) -> None:
+    def _end_if_drained(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
+        if self.is_draining and not self._requests:
+            self._end(call, EngineStatusError(grpc.StatusCode.CANCELLED, "drained"))
+
+    def _end(self, call: grpc.aio.StreamStreamCall[Any, Any], error: EngineStatusError) -> None:
         """The call is over: every request still on it fails with `error`."""
         if self._call is not call or call is None:
-            return
-        if isinstance(error, EngineStatusError) and error.code == grpc.StatusCode.UNIMPLEMENTED:
+            return  # an earlier call's news
+        unsupported = error.code == grpc.StatusCode.UNIMPLEMENTED
+        if unsupported:
             logger.info("engine %s has no GenerateMany: one Generate call a request", self.address)
             self.is_supported = False
-            error = MultiplexingUnsupported()
         else:
             logger.debug("GenerateMany on %s ended: %s", self.address, error)
         call.cancel()
         self._call = None
-        writer = self._tasks[0] if self._tasks else None
-        if writer is not None and writer is not asyncio.current_task():
-            writer.cancel()
-        self._tasks = []
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            if task is not asyncio.current_task():
+                task.cancel()  # the writer waits on the outbox; the reader ends on its own
         requests, self._requests = self._requests, {}
-        self._adds, self._aborts = [], []
+        self._unsent, self._aborts = {}, []
         for handle in requests.values():
-            handle.fail(error)
+            # An exception object apiece: each is raised in its request's own task.
+            failure = MultiplexingUnsupported() if unsupported else error.copy()
+            handle.fail(failure)
+
+
+async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> EngineStatusError:
+    """Why a call whose initial metadata lacks GENERATE_MANY_READY ended. A server that keeps
+    it open without saying it serves GenerateMany is taken for one without the method."""
+    try:
+        code = await asyncio.wait_for(call.code(), MARKERLESS_STATUS_WAIT_S)
+    except TimeoutError:
+        return EngineStatusError(grpc.StatusCode.UNIMPLEMENTED, "no GenerateMany marker")
+    return _call_status(code, await call.details() or "")
+
+
+def _call_status(code: grpc.StatusCode, details: str) -> EngineStatusError:
+    """What the end of the whole call means to each request on it."""
+    if code in _REQUEST_STATUSES:
+        return EngineStatusError(grpc.StatusCode.UNKNOWN, f"the call ended {code.name}: {details}")
+    return EngineStatusError(code, details)

@@ -22,7 +22,11 @@ from frontend_svc.engines.errors import (
     classify_status,
     engine_failed_mid_request,
 )
-from frontend_svc.engines.multiplexer import EngineStatusError, MultiplexingUnsupported
+from frontend_svc.engines.multiplexer import (
+    EngineStatusError,
+    Multiplexer,
+    MultiplexingUnsupported,
+)
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
 from shared.errors import EngineUnavailableError
@@ -109,29 +113,28 @@ class EngineRouter:
         stop: EngineCallStop,
     ) -> AsyncGenerator[EngineOutput, None]:
         with endpoint.track_call():
-            if endpoint.mux.is_supported:
+            mux = endpoint.multiplexer()
+            if mux.is_supported:
                 try:
-                    outputs = self._multiplexed(endpoint, request, deadline, stop)
+                    outputs = self._multiplexed(mux, request, deadline, stop)
                     async with contextlib.aclosing(outputs):
                         async for output in outputs:
                             yield output
                     return
                 except MultiplexingUnsupported:
-                    pass  # nothing was sent: the request goes on a call of its own
+                    if stop.requested:  # stopped meanwhile: no call of its own either
+                        return
+                    # Nothing was sent: the request goes on a call of its own.
             outputs = self._own_call(endpoint, request, deadline, stop)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     yield output
 
     async def _multiplexed(
-        self,
-        endpoint: EngineEndpoint,
-        request: EngineRequest,
-        deadline: float | None,
-        stop: EngineCallStop,
+        self, mux: Multiplexer, request: EngineRequest, deadline: float | None, stop: EngineCallStop
     ) -> AsyncGenerator[EngineOutput, None]:
         _time_left(deadline)  # raises once it has passed
-        handle = endpoint.mux.start(to_generate_request(request), deadline)
+        handle = mux.start(to_generate_request(request), deadline)
         stop.call = handle
         try:
             async for response in handle.responses():

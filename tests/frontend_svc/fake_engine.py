@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
-from shared.protos import engine_pb2_grpc
 from tests.service_processes import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -23,9 +23,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     """`mode`: "ok" (emit `tokens` one per message), "fail_before", "fail_after" (one token,
-    then UNAVAILABLE), "hang" (never answer), "invalid". With `hold_after`, an "ok" stream
-    emits that many tokens, then holds until the frontend cancels it: a test that checks for
-    the cancel never races the stream's own end, however slow the machine."""
+    then UNAVAILABLE: on GenerateMany, the whole call), "fail_after_alone" (the same, but
+    on GenerateMany only the request's own error entry), "hang" (never answer), "invalid".
+    With `hold_after`, an "ok" stream emits that many tokens, then holds until the frontend
+    cancels it: a test that checks for the cancel never races the stream's own end, however
+    slow the machine."""
 
     multiplexed = True  # the default for new fakes; tests run with both
 
@@ -71,7 +73,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         """Each request runs its script in a task of its own; a request's failure is its own
         error entry, except "fail_after", which ends the whole call (a dead engine)."""
         self.many_calls += 1
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata((GENERATE_MANY_READY,))
         out: asyncio.Queue[pb.GenerateManyResponse | _Failure] = asyncio.Queue()
         running: dict[str, asyncio.Task[None]] = {}
 
@@ -137,7 +139,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             yield pb.GenerateResponse(
                 request_id=request.request_id, token_ids=[token], finish_reason=reason
             )
-            if self.mode == "fail_after":
+            if self.mode in ("fail_after", "fail_after_alone"):
                 raise _Failure(grpc.StatusCode.UNAVAILABLE, "engine core died")
             if count == self.hold_after:
                 await _until_cancelled()

@@ -53,6 +53,27 @@ def test_a_call_that_ends_fails_its_requests_and_the_next_opens_another(
     run(body)
 
 
+def test_a_request_failing_alone_after_its_first_token_is_not_retried(
+    tokenizer: Tokenizer,
+) -> None:
+    """The engine's own error entry for a request that had tokens (its core died under it):
+    UNAVAILABLE to the client, as for a Generate call, and no other engine tried."""
+
+    async def body() -> None:
+        engine = await FakeEngine(tokenizer.encode(TEXT), "fail_after_alone").start()
+        other = await FakeEngine(tokenizer.encode(TEXT), "fail_after_alone").start()
+        async with frontend_for([engine, other], tokenizer) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(request(), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "mid-request" in (caught.value.details() or "")
+        assert len(engine.calls) + len(other.calls) == 1
+        await engine.stop()
+        await other.stop()
+
+    run(body)
+
+
 def test_closing_an_endpoint_ends_its_idle_call_without_waiting_out_the_grace(
     tokenizer: Tokenizer,
 ) -> None:
@@ -67,8 +88,8 @@ def test_closing_an_endpoint_ends_its_idle_call_without_waiting_out_the_grace(
             reader = asyncio.create_task(read_all(router, engine_request("held"), stop, outputs))
             await wait_for(lambda: len(outputs) == 2)
             closing = asyncio.create_task(endpoint.close(grace_s=600.0))
-            await asyncio.sleep(0)
-            assert not closing.done() and engine.cancelled == []
+            await wait_for(lambda: endpoint.mux.is_draining)
+            assert not closing.done() and not reader.done() and engine.cancelled == []
             assert stop.request()
             await asyncio.wait_for(reader, 10)
             await asyncio.wait_for(closing, 10)
