@@ -32,3 +32,8 @@ class EngineUnavailableError(RuntimeError):
 class StreamStalledError(RuntimeError):
     """A client stopped reading its stream: the last response could not be written for the
     server's stall bound, so the call was dropped (RESOURCE_EXHAUSTED, no retry hint)."""
+
+
+class TokenRevokedError(PermissionError):
+    """A long-lived call's bearer token was taken off the accepted list while the call ran
+    (UNAUTHENTICATED, as a new call with that token would be)."""

@@ -11,6 +11,7 @@ constant time.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from shared.errors import TokenRevokedError
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +143,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(EXEMPT_METHOD_PREFIXES):
             return handler
-        if self.tokens.accepts(bearer_token(handler_call_details.invocation_metadata)):
-            return handler
-        return _refusing(handler)
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if not self.tokens.accepts(token):
+            return _refusing(handler)
+        if handler.request_streaming:
+            return _rechecking(handler, token, self.tokens)
+        return handler
 
 
 def server_interceptors(
@@ -159,6 +165,36 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
         if key == AUTHORIZATION and isinstance(value, str) and value.startswith(BEARER):
             return value[len(BEARER) :].strip()
     return ""
+
+
+def _rechecking(
+    handler: grpc.RpcMethodHandler, token: str, tokens: TokenSet
+) -> grpc.RpcMethodHandler:
+    """A request-streaming call may outlive its token (the frontend's GenerateMany call runs
+    for as long as both services do): each of its messages is let in only while the token is
+    still accepted, so a revoked token ends the call UNAUTHENTICATED at its next message."""
+
+    async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            if not tokens.accepts(token):
+                raise TokenRevokedError(REFUSAL)
+            yield request
+
+    field = "stream_stream" if handler.response_streaming else "stream_unary"
+    behavior = getattr(handler, field)
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behavior(checked(requests), context):
+                yield response
+
+        return handler._replace(**{field: stream})
+
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(checked(requests), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return handler._replace(**{field: call})
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

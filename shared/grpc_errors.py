@@ -18,6 +18,7 @@ from shared.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     StreamStalledError,
+    TokenRevokedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry in {error.retry_after_s:g} s"
     if isinstance(error, StreamStalledError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, TokenRevokedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(error)
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"

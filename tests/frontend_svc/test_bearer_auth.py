@@ -26,6 +26,7 @@ from tests.service_processes import (
     SERVING,
     FrontendProcess,
     ServiceProcess,
+    run_async,
     wait_all_serving,
 )
 
@@ -140,6 +141,45 @@ def test_the_engine_refuses_calls_without_its_token(secured: Secured) -> None:
         metadata = (("authorization", "Bearer engine-old"),)  # any line of its file
         info = stub.GetModelInfo(epb.GetModelInfoRequest(), timeout=10, metadata=metadata)
         assert info.max_model_len > 0
+
+
+def test_a_revoked_token_ends_a_generate_many_call_at_its_next_message(
+    secured: Secured,
+) -> None:
+    """GenerateMany outlives the token it started with: once the engine no longer accepts
+    it, the call's next message ends the call UNAUTHENTICATED, as a new call would be."""
+    metadata = (("authorization", "Bearer engine-old"),)
+
+    def request(request_id: str) -> epb.GenerateManyRequest:
+        params = epb.SamplingParams(max_tokens=2, temperature=0.0)
+        one = epb.GenerateRequest(
+            request_id=request_id, prompt_token_ids=[1, 2], sampling_params=params
+        )
+        return epb.GenerateManyRequest(requests=[one])
+
+    async def body() -> tuple[int, grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(secured.engine.address) as channel:
+            call = engine_pb2_grpc.EngineCoreServiceStub(channel).GenerateMany(
+                metadata=metadata, timeout=60
+            )
+            await call.write(request("before"))
+            tokens = 0
+            while True:
+                response = await call.read()
+                tokens += sum(len(output.token_ids) for output in response.outputs)
+                if any(output.finish_reason for output in response.outputs):
+                    break
+            _rewrite(secured.engine_tokens, "engine-token\n")
+            await call.write(request("after"))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while await call.read() != grpc.aio.EOF:
+                    pass
+            return tokens, ended.value.code()
+
+    try:
+        assert run_async(body) == (2, grpc.StatusCode.UNAUTHENTICATED)
+    finally:
+        _rewrite(secured.engine_tokens, "engine-old\nengine-token\n")
 
 
 def test_health_and_reflection_need_no_token(secured: Secured) -> None:
