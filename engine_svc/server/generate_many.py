@@ -77,11 +77,10 @@ class GenerateManyCall:
             return 0  # its end was handed over already
         size = 0
         try:
-            output = stream.take()
-        except Exception as error:
+            converted = convert.to_generate_response(stream.take())
+        except Exception as error:  # the request's own failure, not the call's
             _add_error(response, stream.request_id, error)
         else:
-            converted = convert.to_generate_response(output)
             size = converted.ByteSize()
             response.outputs.append(converted)
         if stream.is_done:

@@ -286,6 +286,8 @@ async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> E
 
 def _call_status(code: grpc.StatusCode, details: str) -> EngineStatusError:
     """What the end of the whole call means to each request on it."""
-    if code in _REQUEST_STATUSES:
+    # INTERNAL too: grpc.aio reports it for a write that raced the call's end, whatever
+    # the engine's status was.
+    if code in _REQUEST_STATUSES or code == grpc.StatusCode.INTERNAL:
         return EngineStatusError(grpc.StatusCode.UNKNOWN, f"the call ended {code.name}: {details}")
     return EngineStatusError(code, details)

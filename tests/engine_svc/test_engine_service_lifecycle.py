@@ -188,7 +188,7 @@ def test_sigterm_drains_a_generate_many_call_then_ends_it_unavailable(
     async def body() -> tuple[list[pb.GenerateManyResponse], grpc.StatusCode, str]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             call = engine_stub(channel).GenerateMany()
-            requests = _long_requests(2, 200, "many")
+            requests = _long_requests(2, 900, "many")
             await call.write(pb.GenerateManyRequest(requests=requests))
             responses = [await call.read()]  # the requests are in the engine
             service.process.send_signal(signal.SIGTERM)
@@ -206,7 +206,7 @@ def test_sigterm_drains_a_generate_many_call_then_ends_it_unavailable(
     tokens = {"many-0": 0, "many-1": 0}
     for output in (o for r in responses for o in r.outputs):
         tokens[output.request_id] += len(output.token_ids)
-    assert tokens == {"many-0": 200, "many-1": 200}
+    assert tokens == {"many-0": 900, "many-1": 900}
     [error] = [e for r in responses for e in r.errors]
     assert (error.request_id, error.code) == ("late", grpc.StatusCode.UNAVAILABLE.value[0])
     assert service.wait_exit(timeout_s=20) == 0
