@@ -34,6 +34,11 @@ class StreamStalledError(RuntimeError):
     server's stall bound, so the call was dropped (RESOURCE_EXHAUSTED, no retry hint)."""
 
 
+class MessageTooLargeError(RuntimeError):
+    """A message over the size a call's peer takes (RESOURCE_EXHAUSTED, as gRPC's own
+    message limit): on a shared call, the one request whose input or output it is fails."""
+
+
 class TokenRevokedError(PermissionError):
     """A long-lived call's bearer token was taken off the accepted list while the call ran
     (UNAUTHENTICATED, as a new call with that token would be)."""

@@ -11,7 +11,6 @@ constant time.
 from __future__ import annotations
 
 import hmac
-import inspect
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import grpc
 
 from shared.errors import TokenRevokedError
+from shared.grpc_request_streams import checking_requests
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ EXEMPT_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 REFUSAL = "a valid bearer token is required (metadata `authorization: Bearer TOKEN`)"
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+# Per method of a request-streaming call: the messages let in after the call's token is
+# revoked (those that only withdraw work the call added while its token was good).
+Withdrawals = Mapping[str, Callable[[Any], bool]]
 
 
 class AuthConfigError(ValueError):
@@ -134,8 +137,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without an accepted token with UNAUTHENTICATED. Placed after the
     metrics interceptor, so refusals are counted in grpc_server_handled_total."""
 
-    def __init__(self, tokens: TokenSet) -> None:
+    def __init__(self, tokens: TokenSet, withdrawals: Withdrawals | None = None) -> None:
         self.tokens = tokens
+        self.withdrawals = withdrawals or {}
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -147,16 +151,21 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if not self.tokens.accepts(token):
             return _refusing(handler)
         if handler.request_streaming:
-            return _rechecking(handler, token, self.tokens)
+            withdraws = self.withdrawals.get(handler_call_details.method, _nothing)
+            return _rechecking(handler, token, self.tokens, withdraws)
         return handler
 
 
 def server_interceptors(
-    metrics: grpc.aio.ServerInterceptor, tokens: TokenSet | None
+    metrics: grpc.aio.ServerInterceptor,
+    tokens: TokenSet | None,
+    withdrawals: Withdrawals | None = None,
 ) -> list[grpc.aio.ServerInterceptor]:
     """A server's interceptors: metrics first, so a refused call is counted
     (grpc_server_handled_total, grpc_code Unauthenticated)."""
-    return [metrics] if tokens is None else [metrics, BearerTokenInterceptor(tokens)]
+    if tokens is None:
+        return [metrics]
+    return [metrics, BearerTokenInterceptor(tokens, withdrawals)]
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
@@ -167,34 +176,31 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
     return ""
 
 
+def _nothing(message: Any) -> bool:
+    return False
+
+
 def _rechecking(
-    handler: grpc.RpcMethodHandler, token: str, tokens: TokenSet
+    handler: grpc.RpcMethodHandler,
+    token: str,
+    tokens: TokenSet,
+    withdraws: Callable[[Any], bool],
 ) -> grpc.RpcMethodHandler:
     """A request-streaming call may outlive its token (the frontend's GenerateMany call runs
     for as long as both services do): each of its messages is let in only while the token is
-    still accepted, so a revoked token ends the call UNAUTHENTICATED at its next message."""
+    still accepted, so a revoked token ends the call UNAUTHENTICATED at its next message.
+    A message that only withdraws work (`withdraws`) is let in still: a client that rotated
+    its token can cancel what it sent before on the call that carries it."""
 
-    async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def checked(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         async for request in requests:
-            if not tokens.accepts(token):
+            if not (withdraws(request) or tokens.accepts(token)):
                 raise TokenRevokedError(REFUSAL)
             yield request
 
-    field = "stream_stream" if handler.response_streaming else "stream_unary"
-    behavior = getattr(handler, field)
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for response in behavior(checked(requests), context):
-                yield response
-
-        return handler._replace(**{field: stream})
-
-    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        result = behavior(checked(requests), context)
-        return await result if inspect.isawaitable(result) else result
-
-    return handler._replace(**{field: call})
+    return checking_requests(handler, checked)
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

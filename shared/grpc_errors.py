@@ -17,6 +17,7 @@ from shared.errors import (
     EngineOverloadedError,
     EngineUnavailableError,
     InvalidRequestError,
+    MessageTooLargeError,
     StreamStalledError,
     TokenRevokedError,
 )
@@ -47,7 +48,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, EngineOverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry in {error.retry_after_s:g} s"
-    if isinstance(error, StreamStalledError):
+    if isinstance(error, StreamStalledError | MessageTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, TokenRevokedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(error)

@@ -9,8 +9,8 @@ returns a marker instead of raising, and a behavior that answers the marker with
 INVALID_ARGUMENT naming the request type. It goes innermost (last), so the interceptors
 outside it (metrics, bearer tokens) see and count an ordinary refused call.
 
-Request-streaming handlers (reflection) are left as they are: each of their messages is
-read inside the handler, where a marker could not be told apart from a request.
+A request-streaming handler (GenerateMany, reflection) reads its messages through a check
+that ends the call the same way at the first undecodable one, instead of with INTERNAL.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from shared.grpc_request_streams import checking_requests
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 Deserializer = Callable[[bytes], Any]
@@ -41,14 +43,17 @@ class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
+        deserializer = _tolerant(handler.request_deserializer, handler_call_details.method)
+        if handler.request_streaming:
+            checked = checking_requests(handler, _refusing_undecodable_messages)
+            return checked._replace(request_deserializer=deserializer)
         field = "unary_stream" if handler.response_streaming else "unary_unary"
         behavior = getattr(handler, field)
         wrapped = _refusing_undecodable(behavior)
         if wrapped is None:
             return handler  # a sync generator: not ours to wrap (no servicer here has one)
-        deserializer = _tolerant(handler.request_deserializer, handler_call_details.method)
         return handler._replace(request_deserializer=deserializer, **{field: wrapped})
 
 
@@ -74,6 +79,15 @@ def _tolerant(deserializer: Deserializer, method: str) -> Deserializer:
             return UndecodableRequest(undecodable_message(type_name, error))
 
     return deserialize
+
+
+async def _refusing_undecodable_messages(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        yield request
 
 
 def _refusing_undecodable(behavior: Any) -> Any:

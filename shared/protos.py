@@ -19,5 +19,14 @@ from engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 # The initial metadata an engine sends at the start of each GenerateMany call, before any
 # request: a client writes only once it has it (engine.proto says why).
 GENERATE_MANY_READY = ("generate-many", "ready")
+# Beside it, the largest message the engine takes (its --max-message-bytes), in decimal: a
+# client sends no bigger one, which would end the whole call.
+GENERATE_MANY_MAX_MESSAGE_BYTES = "generate-many-max-message-bytes"
 
-__all__ = ["GENERATE_MANY_READY", "GEN_DIR", "engine_pb2", "engine_pb2_grpc"]
+__all__ = [
+    "GENERATE_MANY_MAX_MESSAGE_BYTES",
+    "GENERATE_MANY_READY",
+    "GEN_DIR",
+    "engine_pb2",
+    "engine_pb2_grpc",
+]

@@ -14,7 +14,7 @@ import grpc
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.client.output_stream import OutputGroup, RequestOutputStream
 from engine_svc.server import convert
-from shared.errors import EngineUnavailableError, InvalidRequestError
+from shared.errors import EngineUnavailableError, InvalidRequestError, MessageTooLargeError
 from shared.grpc_errors import status_for
 from shared.protos import engine_pb2 as pb
 
@@ -22,9 +22,19 @@ logger = logging.getLogger(__name__)
 
 # A bound on one message's lists, as Generate's and Abort's fields have theirs.
 MAX_REQUESTS_PER_MESSAGE = 1024
-# A response grows by every request's pending tokens (more when the client lags): past this
-# many bytes, the rest goes in another, well below the transport's 16 MiB message limit.
+# A response grows by every request's pending tokens (more when the client lags): the rest
+# goes in another message before it passes this many bytes, gRPC's default receive limit.
+# One request's output over it fails that request alone (RESOURCE_EXHAUSTED), where on the
+# client's side it would end the call for all.
 MAX_RESPONSE_BYTES = 4 << 20
+METHOD = f"/{pb.DESCRIPTOR.services_by_name['EngineCoreService'].full_name}/GenerateMany"
+
+
+def withdraws_only(message: object) -> bool:
+    """A message that adds no request, only aborts: let in after the call's bearer token is
+    revoked, so that a frontend whose token rotated aborts what it sent before on the call
+    that carries the old token (it sends new requests on a call with the new one)."""
+    return isinstance(message, pb.GenerateManyRequest) and not message.requests
 
 
 class GenerateManyCall:
@@ -32,6 +42,7 @@ class GenerateManyCall:
         self.client = client
         self.group = OutputGroup()
         self.live: dict[str, RequestOutputStream] = {}  # added, not yet ended
+        self.dropped: set[RequestOutputStream] = set()  # failed here, being aborted
         self.closing = False
 
     def close(self) -> None:
@@ -50,14 +61,18 @@ class GenerateManyCall:
         try:
             while not (reader.done() and not self.live and self.group.is_empty):
                 ready, refused = await self.group.wait()
-                response, size = pb.GenerateManyResponse(), 0
+                response = pb.GenerateManyResponse()
                 for request_id, error in refused:
                     _add_error(response, request_id, error)
+                size = response.ByteSize()
                 for stream in ready:
-                    size += self._take(stream, response)
-                    if size > MAX_RESPONSE_BYTES:  # the rest in another message
+                    entry = self._take(stream)
+                    entry_size = _entry_size(entry)
+                    if size + entry_size > MAX_RESPONSE_BYTES and size:  # the rest in another
                         yield response
                         response, size = pb.GenerateManyResponse(), 0
+                    _add_entry(response, entry)
+                    size += entry_size
                 if response.outputs or response.errors:
                     yield response
                 if reader.done():
@@ -71,21 +86,32 @@ class GenerateManyCall:
             if self.live:
                 self.client.abort_soon(list(self.live))
 
-    def _take(self, stream: RequestOutputStream, response: pb.GenerateManyResponse) -> int:
-        """Adds the stream's output (or error) to `response`; returns the bytes it added."""
+    def _take(self, stream: RequestOutputStream) -> pb.GenerateResponse | pb.RequestError | None:
+        """The stream's pending output, or its error; None when its end went out already."""
+        if stream in self.dropped:  # its error went out: what the abort brings goes nowhere
+            with contextlib.suppress(Exception):
+                stream.take()
+            if stream.is_done:
+                self.dropped.discard(stream)
+            return None
         if stream.is_done:
-            return 0  # its end was handed over already
-        size = 0
+            return None
         try:
-            converted = convert.to_generate_response(stream.take())
+            output = convert.to_generate_response(stream.take())
+            if output.ByteSize() > MAX_RESPONSE_BYTES:
+                raise MessageTooLargeError(
+                    f"one output of {output.ByteSize()} bytes is over the "
+                    f"{MAX_RESPONSE_BYTES}-byte bound on a response"
+                )
         except Exception as error:  # the request's own failure, not the call's
-            _add_error(response, stream.request_id, error)
-        else:
-            size = converted.ByteSize()
-            response.outputs.append(converted)
+            if not stream.is_done:
+                self.client.abort_soon([stream.request_id])
+                self.dropped.add(stream)
+            self.live.pop(stream.request_id, None)
+            return _request_error(stream.request_id, error)
         if stream.is_done:
             self.live.pop(stream.request_id, None)
-        return size
+        return output
 
     async def _read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         async for message in requests:
@@ -119,10 +145,33 @@ class GenerateManyCall:
             self.live[request_id] = stream
 
 
-def _add_error(response: pb.GenerateManyResponse, request_id: str, error: Exception) -> None:
+def _request_error(request_id: str, error: Exception) -> pb.RequestError:
     code, message = status_for(convert.proto_named(error))
     if code == grpc.StatusCode.INTERNAL:
         logger.error("request %s failed", request_id, exc_info=error)
-    response.errors.append(
-        pb.RequestError(request_id=request_id, code=code.value[0], message=message)
-    )
+    return pb.RequestError(request_id=request_id, code=code.value[0], message=message)
+
+
+def _add_error(response: pb.GenerateManyResponse, request_id: str, error: Exception) -> None:
+    response.errors.append(_request_error(request_id, error))
+
+
+def _add_entry(
+    response: pb.GenerateManyResponse, entry: pb.GenerateResponse | pb.RequestError | None
+) -> None:
+    if isinstance(entry, pb.GenerateResponse):
+        response.outputs.append(entry)
+    elif entry is not None:
+        response.errors.append(entry)
+
+
+def _entry_size(entry: pb.GenerateResponse | pb.RequestError | None) -> int:
+    """The bytes `entry` adds to a response: its own, its field's tag and its length."""
+    if entry is None:
+        return 0
+    size = entry.ByteSize()
+    return 1 + _varint_size(size) + size
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)

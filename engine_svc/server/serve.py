@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.client.dp_client import make_async_client
 from engine_svc.config import EngineConfig
+from engine_svc.server import generate_many
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
 from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
@@ -65,13 +66,19 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
     client = make_async_client(
         config, options.data_parallel_size, options.shutdown_timeout_s, options.log_level
     )
-    servicer = EngineCoreServicer(client, Path(config.model), options.model_name)
+    servicer = EngineCoreServicer(
+        client, Path(config.model), options.model_name, options.max_message_bytes
+    )
     server, health_servicer = build_server(
         servicer,
         options.host,
         options.port,
         options.max_message_bytes,
-        interceptors=server_interceptors(GrpcServerMetrics(registry), options.auth_tokens),
+        interceptors=server_interceptors(
+            GrpcServerMetrics(registry),
+            options.auth_tokens,
+            {generate_many.METHOD: generate_many.withdraws_only},
+        ),
         tls=options.tls,
     )
     stop_reason: asyncio.Future[str] = asyncio.get_running_loop().create_future()

@@ -15,7 +15,8 @@ from engine_svc.server import convert
 from engine_svc.server.generate_many import GenerateManyCall
 from engine_svc.server.tokenizer_files import read_chunks, tokenizer_files
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
-from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
+from shared.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from shared.protos import GENERATE_MANY_MAX_MESSAGE_BYTES, GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
 
 Context: TypeAlias = grpc.aio.ServicerContext
@@ -24,10 +25,17 @@ Context: TypeAlias = grpc.aio.ServicerContext
 class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
     stream_write_timeout_s = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client reading nothing: dropped
 
-    def __init__(self, client: AsyncMPClient, model_dir: Path, model_name: str) -> None:
+    def __init__(
+        self,
+        client: AsyncMPClient,
+        model_dir: Path,
+        model_name: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.client = client
         self.model_dir = model_dir
         self.model_name = model_name
+        self.max_message_bytes = max_message_bytes  # what the server takes, and sends
         self.shared_calls: set[GenerateManyCall] = set()
         self.ending_shared_calls = False
 
@@ -55,7 +63,8 @@ class EngineCoreServicer(engine_pb2_grpc.EngineCoreServiceServicer):
     ) -> AsyncGenerator[pb.GenerateManyResponse, None]:
         # If the call is cancelled, closing responses() aborts the requests still running.
         # At once, before any request: the client waits for it before its first write.
-        await context.send_initial_metadata((GENERATE_MANY_READY,))
+        limit = (GENERATE_MANY_MAX_MESSAGE_BYTES, str(self.max_message_bytes))
+        await context.send_initial_metadata((GENERATE_MANY_READY, limit))
         call = GenerateManyCall(self.client)
         self.shared_calls.add(call)
         if self.ending_shared_calls:

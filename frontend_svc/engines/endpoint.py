@@ -51,7 +51,7 @@ class EngineEndpoint:
         self.on_change = on_change
         # With a token, every call carries it (the engine may require one).
         self._auth_token = auth_token
-        self._retired_muxes: set[Multiplexer] = set()  # draining on the current channel
+        self._retired_muxes: set[Multiplexer] = set()  # draining after a rotation
         self._interceptors = None if auth_token is None else client_interceptors(auth_token)
         # Under TLS, rewritten certificate files (a rotated secret) open a new channel.
         self._tls_files = None if tls is None else FilesWatcher(tls.files(), tls.credentials)
@@ -115,7 +115,7 @@ class EngineEndpoint:
             return
         logger.info("engine %s: the TLS client files changed; new calls use them", self.address)
         retired = self.channel
-        self.mux.drain()
+        self._retire_mux()
         self._open_channel(credentials)
         closing = asyncio.create_task(retired.close(RETIRED_CHANNEL_GRACE_S))
         self._retired[retired] = closing
@@ -186,10 +186,14 @@ class EngineEndpoint:
     def _follow_token_rotation(self) -> None:
         if self._auth_token is not None and self._auth_token.current() != self._mux_token:
             logger.info("engine %s: the token changed; new requests use it", self.address)
-            retired = self.mux
+            self._retire_mux()
             self._new_mux()
-            retired.drain()
-            self._retired_muxes = {m for m in self._retired_muxes if m.is_open} | {retired}
+
+    def _retire_mux(self) -> None:
+        """The shared call ends after its last request; closing the endpoint drains and
+        closes it with the current one."""
+        self.mux.drain()
+        self._retired_muxes = {m for m in self._retired_muxes if m.is_open} | {self.mux}
 
     async def _poll_loads(self) -> None:
         while True:

@@ -18,18 +18,20 @@ from typing import Any
 
 import grpc
 
-from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
+from shared.protos import GENERATE_MANY_MAX_MESSAGE_BYTES, GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 # As the engine bounds them (engine_svc/server/generate_many.py).
 MAX_REQUESTS_PER_MESSAGE = 1024
-# Far below the channel's 16 MiB message limit, which would fail the whole call: a burst of
-# long prompts goes out over several messages.
+# A burst of long prompts goes out over several messages of at most this many bytes, or of
+# the engine's own limit where it says a lower one: a message over it would end the call.
 MAX_MESSAGE_BYTES = 4 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-# How long a call without the engine's GenerateMany marker may take to end with its status.
+# How long a call may take to bring the engine's GenerateMany marker (in its initial metadata),
+# and then, without it, to end with its status. A server that does neither is taken for one
+# without GenerateMany: the requests go on calls of their own.
 MARKERLESS_STATUS_WAIT_S = 5.0
 # Statuses that describe one request, not a whole call: a call ending with one of them
 # (an engine's bound on its messages) is an engine fault to the requests on it.
@@ -120,6 +122,8 @@ class Multiplexer:
         self.is_supported = True  # until the engine answers UNIMPLEMENTED
         self.is_draining = False
         self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
+        self._is_ready = False  # the call's engine said it serves GenerateMany
+        self._max_message_bytes = MAX_MESSAGE_BYTES
         self._requests: dict[str, MultiplexedRequest] = {}
         self._unsent: dict[str, pb.GenerateRequest] = {}  # in the order they came
         self._aborts: list[str] = []
@@ -170,6 +174,7 @@ class Multiplexer:
     def _open(self) -> None:
         call = self.stub.GenerateMany()
         self._call = call
+        self._is_ready = False
         self._tasks = [
             asyncio.create_task(self._write(call), name=f"generate-many out {self.address}"),
             asyncio.create_task(self._read(call), name=f"generate-many in {self.address}"),
@@ -181,10 +186,15 @@ class Multiplexer:
             # call has ended (an engine without the method, or one refusing the call): its
             # status says why. Nothing is written then: a write into a call the server has
             # ended turns its status into INTERNAL on this side.
-            metadata = await call.initial_metadata()
-            if GENERATE_MANY_READY not in tuple(metadata or ()):
+            metadata = await _initial_metadata(call)
+            if metadata is None:
+                self._end(call, EngineStatusError(grpc.StatusCode.UNIMPLEMENTED, "no marker"))
+                return
+            if GENERATE_MANY_READY not in metadata:
                 self._end(call, await _status_without_marker(call))
                 return
+            self._is_ready = True
+            self._max_message_bytes = _max_message_bytes(metadata)
             while True:
                 await self._outbox.wait()
                 self._outbox.clear()
@@ -197,18 +207,38 @@ class Multiplexer:
             self._end(call, EngineStatusError(grpc.StatusCode.UNKNOWN, f"writing: {error!r}"))
 
     def _next_message(self) -> pb.GenerateManyRequest:
+        """Aborts first (a few bytes each), then as many requests as the bounds leave room
+        for. A request too big for any message fails alone, as its own Generate call would."""
         message = pb.GenerateManyRequest()
-        size = 0
-        while self._unsent and len(message.requests) < MAX_REQUESTS_PER_MESSAGE:
+        message.abort_request_ids.extend(self._aborts[:MAX_REQUESTS_PER_MESSAGE])
+        del self._aborts[:MAX_REQUESTS_PER_MESSAGE]
+        size = message.ByteSize()
+        count = len(message.abort_request_ids)
+        while self._unsent and count < MAX_REQUESTS_PER_MESSAGE:
             request = next(iter(self._unsent.values()))
-            size += request.ByteSize()
-            if message.requests and size > MAX_MESSAGE_BYTES:
-                break
+            entry_size = _entry_size(request.ByteSize())
+            if size + entry_size > self._max_message_bytes:
+                if size:
+                    break  # in the next message
+                self._refuse_too_large(request, entry_size)
+                continue
             message.requests.append(self._unsent.pop(request.request_id))
-        room = MAX_REQUESTS_PER_MESSAGE - len(message.requests)
-        message.abort_request_ids.extend(self._aborts[:room])
-        del self._aborts[:room]
+            size += entry_size
+            count += 1
         return message
+
+    def _refuse_too_large(self, request: pb.GenerateRequest, size: int) -> None:
+        del self._unsent[request.request_id]
+        handle = self._requests.pop(request.request_id)
+        handle.fail(
+            EngineStatusError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request is {size} bytes, over the engine's limit of "
+                f"{self._max_message_bytes} a message",
+            )
+        )
+        if self._call is not None:
+            self._end_if_drained(self._call)
 
     async def _read(self, call: grpc.aio.StreamStreamCall[Any, Any]) -> None:
         ended: Exception
@@ -254,7 +284,12 @@ class Multiplexer:
         """The call is over: every request still on it fails with `error`."""
         if self._call is not call or call is None:
             return  # an earlier call's news
-        unsupported = error.code == grpc.StatusCode.UNIMPLEMENTED
+        # Only a call that never said it serves GenerateMany, and so was sent nothing, tells
+        # its requests to go on calls of their own.
+        unimplemented = error.code == grpc.StatusCode.UNIMPLEMENTED
+        unsupported = unimplemented and not self._is_ready
+        if unimplemented and self._is_ready:  # mid-call, from a proxy: an engine fault
+            error = EngineStatusError(grpc.StatusCode.UNKNOWN, f"the call ended {error}")
         if unsupported:
             logger.info("engine %s has no GenerateMany: one Generate call a request", self.address)
             self.is_supported = False
@@ -274,6 +309,15 @@ class Multiplexer:
             handle.fail(failure)
 
 
+async def _initial_metadata(call: grpc.aio.StreamStreamCall[Any, Any]) -> tuple[Any, ...] | None:
+    """The call's initial metadata; None when the server sends none in time (nor ends it)."""
+    try:
+        metadata = await asyncio.wait_for(call.initial_metadata(), MARKERLESS_STATUS_WAIT_S)
+    except TimeoutError:
+        return None
+    return tuple(metadata or ())
+
+
 async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> EngineStatusError:
     """Why a call whose initial metadata lacks GENERATE_MANY_READY ended. A server that keeps
     it open without saying it serves GenerateMany is taken for one without the method."""
@@ -282,6 +326,22 @@ async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> E
     except TimeoutError:
         return EngineStatusError(grpc.StatusCode.UNIMPLEMENTED, "no GenerateMany marker")
     return _call_status(code, await call.details() or "")
+
+
+def _max_message_bytes(metadata: tuple[Any, ...]) -> int:
+    """MAX_MESSAGE_BYTES, or the engine's limit where it says a lower one."""
+    for key, value in metadata:
+        if key == GENERATE_MANY_MAX_MESSAGE_BYTES:
+            try:
+                return min(MAX_MESSAGE_BYTES, int(value))
+            except ValueError:
+                logger.warning("ignoring %s: %r", key, value)
+    return MAX_MESSAGE_BYTES
+
+
+def _entry_size(size: int) -> int:
+    """The bytes a submessage of `size` bytes adds to a message: itself, its tag, its length."""
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size
 
 
 def _call_status(code: grpc.StatusCode, details: str) -> EngineStatusError:

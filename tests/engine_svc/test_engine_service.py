@@ -6,7 +6,7 @@ field that is not UTF-8, the request type), and the utility RPCs answer."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,7 @@ from tests.service_processes import (
     engine_stub,
     generate_request,
     run_async,
-    start_service,
 )
-
-
-@pytest.fixture(scope="module")
-def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    log_path = tmp_path_factory.mktemp("engine-service") / "service.log"
-    running = start_service(tiny_model_dir, log_path)
-    yield running
-    running.stop()
 
 
 def _workload(count: int) -> list[tuple[list[int], int, dict[str, Any]]]:

@@ -212,6 +212,38 @@ def test_sigterm_drains_a_generate_many_call_then_ends_it_unavailable(
     assert service.wait_exit(timeout_s=20) == 0
 
 
+def test_kill_9_of_the_engine_fails_a_generate_many_calls_requests_then_the_call(
+    launch: ServiceFactory,
+) -> None:
+    """Each request on the call gets its own UNAVAILABLE entry, and the call itself ends
+    UNAVAILABLE at once rather than staying open, unanswered, until the server stops."""
+    service = launch()
+
+    async def body() -> tuple[list[pb.GenerateManyResponse], grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = engine_stub(channel)
+            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+            call = stub.GenerateMany()
+            requests = _long_requests(2, 900, "many")
+            await call.write(pb.GenerateManyRequest(requests=requests))
+            while service.num_requests() < 2:
+                await asyncio.sleep(0.02)
+            (engine_pid,) = service.engine_pids()
+            os.kill(engine_pid, signal.SIGKILL)
+            responses = []
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while (response := await call.read()) != grpc.aio.EOF:
+                    responses.append(response)
+            return responses, ended.value.code(), ended.value.details() or ""
+
+    responses, code, details = run_async(body)
+    errors = sorted((e.request_id, e.code) for r in responses for e in r.errors)
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    assert errors == [("many-0", unavailable), ("many-1", unavailable)]
+    assert (code, details) == (grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+    assert service.wait_exit(timeout_s=20) != 0
+
+
 def test_sigterm_with_timeout_0_aborts_in_flight_requests_and_exits_0(
     launch: ServiceFactory,
 ) -> None:

@@ -6,27 +6,19 @@ the call free the engine; the call ends after its last request once the client h
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from engine_svc import LLM, SamplingParams
 from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
-from tests.service_processes import ServiceProcess, generate_request, run_async, start_service
+from tests.raw_requests import with_raw_string
+from tests.service_processes import ServiceProcess, generate_request, run_async
 
 NUM_REQUESTS = 12
-
-
-@pytest.fixture(scope="module")
-def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    log_path = tmp_path_factory.mktemp("generate-many") / "service.log"
-    running = start_service(tiny_model_dir, log_path)
-    yield running
-    running.stop()
 
 
 def _stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.EngineCoreServiceStub:
@@ -170,3 +162,38 @@ def test_too_many_requests_in_one_message_end_the_call(service: ServiceProcess) 
     code, details = run_async(body)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith("requests: 1025 requests and aborts")
+
+
+def test_an_undecodable_message_ends_the_call_and_frees_its_requests(
+    service: ServiceProcess,
+) -> None:
+    """A message protobuf cannot parse (a request id that is not UTF-8, as a client in
+    another language can send) is the client's mistake: INVALID_ARGUMENT naming the message
+    type, not INTERNAL, and the request the call holds is aborted."""
+    held = pb.GenerateManyRequest(requests=[generate_request("held", [8, 9], 900, ignore_eos=True)])
+    undecodable = with_raw_string(pb.GenerateManyRequest(), ["requests", "request_id"], b"\xff")
+
+    async def body() -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = _stub(channel)
+            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+            try:
+                call = channel.stream_stream(
+                    "/engine.v1.EngineCoreService/GenerateMany",
+                    request_serializer=lambda raw: raw,
+                    response_deserializer=pb.GenerateManyResponse.FromString,
+                )(timeout=60)
+                await call.write(held.SerializeToString())
+                await _until(lambda: service.num_requests() == 1)
+                await call.write(undecodable)
+                code, details = await call.code(), await call.details()
+                await _until(lambda: service.num_requests() == 0)
+            finally:
+                await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+            return code, details
+
+    code, details = run_async(body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == (
+        "request is not a valid engine.v1.GenerateManyRequest: a string field is not valid UTF-8"
+    )

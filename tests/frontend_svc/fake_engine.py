@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.protos import GENERATE_MANY_READY, engine_pb2_grpc
+from shared.protos import GENERATE_MANY_MAX_MESSAGE_BYTES, GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
 from tests.service_processes import free_port
 
@@ -27,9 +27,14 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     on GenerateMany only the request's own error entry), "hang" (never answer), "invalid".
     With `hold_after`, an "ok" stream emits that many tokens, then holds until the frontend
     cancels it: a test that checks for the cancel never races the stream's own end, however
-    slow the machine."""
+    slow the machine. "unimplemented_later" ends a GenerateMany call UNIMPLEMENTED at its
+    first message (a proxy's answer mid-call)."""
 
     multiplexed = True  # the default for new fakes; tests run with both
+    # A GenerateMany call that never says it serves GenerateMany, and stays open.
+    marker = True
+    # The largest message the server takes, said in GenerateMany's initial metadata.
+    max_message_bytes: int | None = None
 
     def __init__(self, tokens: list[int], mode: str = "ok", hold_after: int | None = None) -> None:
         self.tokens = tokens
@@ -38,17 +43,22 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self.calls: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.many_calls = 0  # GenerateMany calls opened
+        self.message_sizes: list[int] = []  # of each GenerateMany message, in bytes
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
 
     async def start(self, serving: bool = True) -> FakeEngine:
-        target = self.server if self.multiplexed else _WithoutGenerateMany(self.server)
+        options: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
+        if self.max_message_bytes is not None:
+            options.append(("grpc.max_receive_message_length", self.max_message_bytes))
+        self.server = server = grpc.aio.server(options=options)
+        target = server if self.multiplexed else _WithoutGenerateMany(server)
         engine_pb2_grpc.add_EngineCoreServiceServicer_to_server(self, target)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.server.add_insecure_port(self.address)
-        await self.server.start()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_insecure_port(self.address)
+        await server.start()
         await self.set_serving(serving)
         return self
 
@@ -56,6 +66,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         await self.health.set("", SERVING if serving else NOT_SERVING)
 
     async def stop(self) -> None:
+        assert self.server is not None
         await self.server.stop(grace=None)
 
     async def Generate(
@@ -73,7 +84,12 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         """Each request runs its script in a task of its own; a request's failure is its own
         error entry, except "fail_after", which ends the whole call (a dead engine)."""
         self.many_calls += 1
-        await context.send_initial_metadata((GENERATE_MANY_READY,))
+        if not self.marker:
+            await _until_cancelled()
+        metadata: list[tuple[str, str]] = [GENERATE_MANY_READY]
+        if self.max_message_bytes is not None:
+            metadata.append((GENERATE_MANY_MAX_MESSAGE_BYTES, str(self.max_message_bytes)))
+        await context.send_initial_metadata(metadata)
         out: asyncio.Queue[pb.GenerateManyResponse | _Failure] = asyncio.Queue()
         running: dict[str, asyncio.Task[None]] = {}
 
@@ -94,6 +110,10 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
 
         async def read() -> None:
             async for message in requests:
+                self.message_sizes.append(message.ByteSize())
+                if self.mode == "unimplemented_later":
+                    out.put_nowait(_Failure(grpc.StatusCode.UNIMPLEMENTED, "not here"))
+                    return
                 for request in message.requests:
                     running[request.request_id] = asyncio.create_task(serve(request))
                 for request_id in message.abort_request_ids:

@@ -6,6 +6,7 @@ reflection stay open to probes and grpcurl."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -143,43 +144,60 @@ def test_the_engine_refuses_calls_without_its_token(secured: Secured) -> None:
         assert info.max_model_len > 0
 
 
-def test_a_revoked_token_ends_a_generate_many_call_at_its_next_message(
+def test_a_revoked_token_lets_a_generate_many_call_abort_but_add_nothing(
     secured: Secured,
 ) -> None:
-    """GenerateMany outlives the token it started with: once the engine no longer accepts
-    it, the call's next message ends the call UNAUTHENTICATED, as a new call would be."""
-    metadata = (("authorization", "Bearer engine-old"),)
+    """GenerateMany outlives the token it started with. Once the engine no longer accepts
+    it, a message that only aborts is still let in (a frontend whose token rotated cancels
+    what it sent on the old call), and the next message adding a request ends the call
+    UNAUTHENTICATED, as a new call would be."""
+    old = (("authorization", "Bearer engine-old"),)
+    current = (("authorization", "Bearer engine-token"),)
 
     def request(request_id: str) -> epb.GenerateManyRequest:
-        params = epb.SamplingParams(max_tokens=2, temperature=0.0)
+        params = epb.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
         one = epb.GenerateRequest(
             request_id=request_id, prompt_token_ids=[1, 2], sampling_params=params
         )
         return epb.GenerateManyRequest(requests=[one])
 
-    async def body() -> tuple[int, grpc.StatusCode]:
+    async def body() -> tuple[list[tuple[str, int]], grpc.StatusCode]:
         async with grpc.aio.insecure_channel(secured.engine.address) as channel:
-            call = engine_pb2_grpc.EngineCoreServiceStub(channel).GenerateMany(
-                metadata=metadata, timeout=60
-            )
-            await call.write(request("before"))
-            tokens = 0
-            while True:
-                response = await call.read()
-                tokens += sum(len(output.token_ids) for output in response.outputs)
-                if any(output.finish_reason for output in response.outputs):
-                    break
-            _rewrite(secured.engine_tokens, "engine-token\n")
-            await call.write(request("after"))
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                while await call.read() != grpc.aio.EOF:
-                    pass
-            return tokens, ended.value.code()
+            stub = engine_pb2_grpc.EngineCoreServiceStub(channel)
+            await stub.PauseGeneration(epb.PauseGenerationRequest(), metadata=current, timeout=10)
+            try:
+                call = stub.GenerateMany(metadata=old, timeout=60)
+                await call.write(request("before"))
+                for _ in range(500):  # one step once the engine has it, then paused again
+                    step = epb.ResumeGenerationRequest(max_steps=1)
+                    resumed = await stub.ResumeGeneration(step, metadata=current, timeout=10)
+                    if sum(resumed.steps_run):
+                        break
+                    await asyncio.sleep(0.01)
+                first = await call.read()
+                assert [o.request_id for o in first.outputs] == ["before"]
+                _rewrite(secured.engine_tokens, "engine-token\n")
+                await call.write(epb.GenerateManyRequest(abort_request_ids=["before"]))
+                ends = []
+                while not ends:
+                    response = await call.read()
+                    ends = [(o.request_id, o.finish_reason) for o in response.outputs]
+                await call.write(request("after"))
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    while await call.read() != grpc.aio.EOF:
+                        pass
+            finally:
+                await stub.ResumeGeneration(
+                    epb.ResumeGenerationRequest(), metadata=current, timeout=10
+                )
+            return ends, ended.value.code()
 
     try:
-        assert run_async(body) == (2, grpc.StatusCode.UNAUTHENTICATED)
+        ends, code = run_async(body)
     finally:
         _rewrite(secured.engine_tokens, "engine-old\nengine-token\n")
+    assert ends == [("before", epb.FINISH_REASON_ABORT)]
+    assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_health_and_reflection_need_no_token(secured: Secured) -> None:

@@ -1,7 +1,10 @@
 """The frontend's requests to an engine share one GenerateMany call (engines/multiplexer.py),
 against scripted engines: every choice of every request goes over the one call; a call that
 ends fails what is on it and the next request opens another; closing an endpoint ends its
-idle call at once instead of holding the channel for its grace."""
+idle call at once instead of holding the channel for its grace; messages stay within the
+engine's size limit, a request too big for it failing alone; only an engine that never says
+it serves GenerateMany gets its requests on calls of their own, and it is asked again after
+an outage."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import asyncio
 import grpc
 import pytest
 
+from frontend_svc.engines import multiplexer
 from frontend_svc.engines.router import EngineCallStop
+from frontend_svc.messages import EngineOutput, EngineRequest, SamplingOptions
 from frontend_svc.tokenizer import Tokenizer
+from shared.errors import EngineOverloadedError, EngineUnavailableError
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.frontend_svc.fake_engine import FakeEngine
 from tests.frontend_svc.test_engine_call_stop import engine_request, read_all, router_for
@@ -97,6 +103,114 @@ def test_closing_an_endpoint_ends_its_idle_call_without_waiting_out_the_grace(
             # itself had not gone out before).
             await wait_for(lambda: engine.cancelled == ["held"])
         assert engine.many_calls == 1
+        await engine.stop()
+
+    run(body)
+
+
+def _prompt_request(request_id: str, num_tokens: int) -> EngineRequest:
+    sampling = SamplingOptions(max_tokens=3, temperature=0.0)
+    prompt = tuple(1000 + i for i in range(num_tokens))
+    return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+
+
+def test_messages_stay_within_the_engines_limit_and_a_request_over_it_fails_alone(
+    tokenizer: Tokenizer,
+) -> None:
+    """The engine takes messages of 3,000 bytes at most and says so: six requests of ~830
+    bytes go out over several messages, and one of ~4,000 bytes fails on its own, as its own
+    Generate call would (RESOURCE_EXHAUSTED). Sent as one message, they would end the call
+    for all seven."""
+
+    async def body() -> None:
+        engine = FakeEngine(tokenizer.encode(TEXT))
+        engine.max_message_bytes = 3000
+        await engine.start()
+        async with router_for([engine]) as router:
+            requests = [_prompt_request(f"fits-{i}", 400) for i in range(6)]
+            requests.append(_prompt_request("too-big", 2000))
+            outputs: list[list[EngineOutput]] = [[] for _ in requests]
+            results = await asyncio.gather(
+                *(
+                    read_all(router, r, EngineCallStop(), into)
+                    for r, into in zip(requests, outputs, strict=True)
+                ),
+                return_exceptions=True,
+            )
+        assert results[:6] == [None] * 6
+        assert [sum(len(o.new_token_ids) for o in out) for out in outputs[:6]] == [3] * 6
+        assert isinstance(results[6], EngineOverloadedError)
+        assert "over the engine's limit of 3000 a message" in str(results[6])
+        assert max(engine.message_sizes) <= 3000 and len(engine.message_sizes) >= 2
+        assert engine.many_calls == 1
+        await engine.stop()
+
+    run(body)
+
+
+def test_an_engine_that_never_says_it_serves_generate_many_gets_calls_of_their_own(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GenerateMany call that brings no marker and stays open (a server, or a proxy, that
+    took the call but does not serve it): after the wait, the request goes on a Generate
+    call of its own instead of waiting for ever."""
+    monkeypatch.setattr(multiplexer, "MARKERLESS_STATUS_WAIT_S", 0.1)
+
+    async def body() -> None:
+        engine = FakeEngine(tokenizer.encode(TEXT))
+        engine.marker = False
+        await engine.start()
+        async with router_for([engine]) as router:
+            outputs: list[EngineOutput] = []
+            await read_all(router, engine_request("alone"), EngineCallStop(), outputs)
+            [endpoint] = router.pool.available
+            assert not endpoint.mux.is_supported
+        assert sum(len(o.new_token_ids) for o in outputs) == len(tokenizer.encode(TEXT))
+        assert [r.request_id for r in engine.calls] == ["alone"]
+        await engine.stop()
+
+    run(body)
+
+
+def test_unimplemented_after_the_marker_is_an_engine_fault_not_a_missing_method(
+    tokenizer: Tokenizer,
+) -> None:
+    """A call that said it serves GenerateMany and then ends UNIMPLEMENTED (a proxy's answer
+    mid-call): its requests were sent, so they fail as on any broken call (retriable before
+    their first token) and are not replayed on Generate calls of their own."""
+
+    async def body() -> None:
+        engine = await FakeEngine(tokenizer.encode(TEXT), "unimplemented_later").start()
+        async with router_for([engine]) as router:
+            [endpoint] = router.pool.available
+            with pytest.raises(EngineUnavailableError, match="the call ended UNIMPLEMENTED"):
+                await read_all(router, engine_request("sent"), EngineCallStop(), [])
+            assert endpoint.mux.is_supported
+        assert engine.calls == [] and engine.many_calls == 1
+        await engine.stop()
+
+    run(body)
+
+
+def test_an_engine_without_generate_many_is_asked_again_after_an_outage(
+    tokenizer: Tokenizer,
+) -> None:
+    """Back after an outage, an engine may be a newer version (a rolling upgrade)."""
+
+    async def body() -> None:
+        engine = FakeEngine(tokenizer.encode(TEXT))
+        engine.multiplexed = False
+        await engine.start()
+        async with router_for([engine]) as router:
+            await read_all(router, engine_request("before"), EngineCallStop(), [])
+            [endpoint] = router.pool.available
+            assert not endpoint.mux.is_supported
+            await engine.set_serving(False)
+            await wait_for(lambda: not endpoint.is_serving)
+            await engine.set_serving(True)
+            await wait_for(lambda: endpoint.is_serving)
+            assert endpoint.mux.is_supported
+        assert [r.request_id for r in engine.calls] == ["before"]
         await engine.stop()
 
     run(body)
