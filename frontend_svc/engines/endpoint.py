@@ -85,7 +85,7 @@ class EngineEndpoint:
     def _new_mux(self) -> None:
         # Requests go over one GenerateMany call (multiplexer.py), carrying the token of the
         # time it opened; one retired (a new channel, a new token) ends after its last request.
-        self.mux = Multiplexer(self.stub, self.address)
+        self.mux = Multiplexer(self.stub, self.address, MAX_MESSAGE_BYTES)
         self._mux_token = None if self._auth_token is None else self._auth_token.current()
 
     def start(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from shared.errors import MessageTooLargeError
 from shared.protos import GENERATE_MANY_MAX_MESSAGE_BYTES, GENERATE_MANY_READY, engine_pb2_grpc
 from shared.protos import engine_pb2 as pb
 
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 # As the engine bounds them (engine_svc/server/generate_many.py).
 MAX_REQUESTS_PER_MESSAGE = 1024
 # A burst of long prompts goes out over several messages of at most this many bytes, or of
-# the engine's own limit where it says a lower one: a message over it would end the call.
+# the engine's own limit where it says a lower one: a message over it would end the call. A
+# bigger request goes alone, up to the engine's limit (the channel's, where it says none).
 MAX_MESSAGE_BYTES = 4 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # How long a call may take to bring the engine's GenerateMany marker (in its initial metadata),
@@ -116,14 +118,17 @@ class MultiplexedRequest:
 
 
 class Multiplexer:
-    def __init__(self, stub: engine_pb2_grpc.EngineCoreServiceStub, address: str) -> None:
+    def __init__(
+        self, stub: engine_pb2_grpc.EngineCoreServiceStub, address: str, channel_max_bytes: int
+    ) -> None:
         self.stub = stub
         self.address = address
+        self.channel_max_bytes = channel_max_bytes  # the channel's own send limit
         self.is_supported = True  # until the engine answers UNIMPLEMENTED
         self.is_draining = False
         self._call: grpc.aio.StreamStreamCall[Any, Any] | None = None
         self._is_ready = False  # the call's engine said it serves GenerateMany
-        self._max_message_bytes = MAX_MESSAGE_BYTES
+        self._engine_message_bytes = channel_max_bytes  # what the engine takes
         self._requests: dict[str, MultiplexedRequest] = {}
         self._unsent: dict[str, pb.GenerateRequest] = {}  # in the order they came
         self._aborts: list[str] = []
@@ -194,7 +199,7 @@ class Multiplexer:
                 self._end(call, await _status_without_marker(call))
                 return
             self._is_ready = True
-            self._max_message_bytes = _max_message_bytes(metadata)
+            self._engine_message_bytes = _engine_message_bytes(metadata, self.channel_max_bytes)
             while True:
                 await self._outbox.wait()
                 self._outbox.clear()
@@ -208,18 +213,19 @@ class Multiplexer:
 
     def _next_message(self) -> pb.GenerateManyRequest:
         """Aborts first (a few bytes each), then as many requests as the bounds leave room
-        for. A request too big for any message fails alone, as its own Generate call would."""
+        for; one over MAX_MESSAGE_BYTES alone. A request too big for the engine fails."""
         message = pb.GenerateManyRequest()
         message.abort_request_ids.extend(self._aborts[:MAX_REQUESTS_PER_MESSAGE])
         del self._aborts[:MAX_REQUESTS_PER_MESSAGE]
         size = message.ByteSize()
         count = len(message.abort_request_ids)
+        bound = min(MAX_MESSAGE_BYTES, self._engine_message_bytes)
         while self._unsent and count < MAX_REQUESTS_PER_MESSAGE:
             request = next(iter(self._unsent.values()))
             entry_size = _entry_size(request.ByteSize())
-            if size + entry_size > self._max_message_bytes:
-                if size:
-                    break  # in the next message
+            if size + entry_size > bound and size:
+                break  # in the next message
+            if size + entry_size > self._engine_message_bytes:
                 self._refuse_too_large(request, entry_size)
                 continue
             message.requests.append(self._unsent.pop(request.request_id))
@@ -228,13 +234,15 @@ class Multiplexer:
         return message
 
     def _refuse_too_large(self, request: pb.GenerateRequest, size: int) -> None:
+        """The request's own error (the client's to fix, so no other engine is tried and
+        this one is not taken out), where a Generate call would have been refused with
+        RESOURCE_EXHAUSTED by the engine's transport."""
         del self._unsent[request.request_id]
         handle = self._requests.pop(request.request_id)
         handle.fail(
-            EngineStatusError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            MessageTooLargeError(
                 f"the request is {size} bytes, over the engine's limit of "
-                f"{self._max_message_bytes} a message",
+                f"{self._engine_message_bytes} a message"
             )
         )
         if self._call is not None:
@@ -328,15 +336,15 @@ async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> E
     return _call_status(code, await call.details() or "")
 
 
-def _max_message_bytes(metadata: tuple[Any, ...]) -> int:
-    """MAX_MESSAGE_BYTES, or the engine's limit where it says a lower one."""
+def _engine_message_bytes(metadata: tuple[Any, ...], channel_max_bytes: int) -> int:
+    """The largest message the engine says it takes, within the channel's own limit."""
     for key, value in metadata:
         if key == GENERATE_MANY_MAX_MESSAGE_BYTES:
             try:
-                return min(MAX_MESSAGE_BYTES, int(value))
+                return min(channel_max_bytes, int(value))
             except ValueError:
                 logger.warning("ignoring %s: %r", key, value)
-    return MAX_MESSAGE_BYTES
+    return channel_max_bytes
 
 
 def _entry_size(size: int) -> int:

@@ -17,7 +17,7 @@ from frontend_svc.engines import multiplexer
 from frontend_svc.engines.router import EngineCallStop
 from frontend_svc.messages import EngineOutput, EngineRequest, SamplingOptions
 from frontend_svc.tokenizer import Tokenizer
-from shared.errors import EngineOverloadedError, EngineUnavailableError
+from shared.errors import EngineUnavailableError, MessageTooLargeError
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.frontend_svc.fake_engine import FakeEngine
 from tests.frontend_svc.test_engine_call_stop import engine_request, read_all, router_for
@@ -115,20 +115,23 @@ def _prompt_request(request_id: str, num_tokens: int) -> EngineRequest:
 
 
 def test_messages_stay_within_the_engines_limit_and_a_request_over_it_fails_alone(
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine takes messages of 3,000 bytes at most and says so: six requests of ~830
-    bytes go out over several messages, and one of ~4,000 bytes fails on its own, as its own
-    Generate call would (RESOURCE_EXHAUSTED). Sent as one message, they would end the call
-    for all seven."""
+    """The engine takes messages of 3,000 bytes at most and says so; the frontend batches up
+    to 2,000 (MAX_MESSAGE_BYTES, lowered here). Six requests of ~830 bytes go out two to a
+    message, one of ~2,400 alone, and one of ~4,000 fails on its own with RESOURCE_EXHAUSTED,
+    as its own Generate call would, without taking the engine out. Sent as one message,
+    they would end the call for all eight."""
+    monkeypatch.setattr(multiplexer, "MAX_MESSAGE_BYTES", 2000)
 
     async def body() -> None:
         engine = FakeEngine(tokenizer.encode(TEXT))
         engine.max_message_bytes = 3000
         await engine.start()
         async with router_for([engine]) as router:
+            [endpoint] = router.pool.available
             requests = [_prompt_request(f"fits-{i}", 400) for i in range(6)]
-            requests.append(_prompt_request("too-big", 2000))
+            requests += [_prompt_request("alone", 1200), _prompt_request("too-big", 2000)]
             outputs: list[list[EngineOutput]] = [[] for _ in requests]
             results = await asyncio.gather(
                 *(
@@ -137,11 +140,13 @@ def test_messages_stay_within_the_engines_limit_and_a_request_over_it_fails_alon
                 ),
                 return_exceptions=True,
             )
-        assert results[:6] == [None] * 6
-        assert [sum(len(o.new_token_ids) for o in out) for out in outputs[:6]] == [3] * 6
-        assert isinstance(results[6], EngineOverloadedError)
-        assert "over the engine's limit of 3000 a message" in str(results[6])
-        assert max(engine.message_sizes) <= 3000 and len(engine.message_sizes) >= 2
+            assert endpoint.is_available  # the request's fault, not the engine's
+        assert results[:7] == [None] * 7
+        assert [sum(len(o.new_token_ids) for o in out) for out in outputs[:7]] == [3] * 7
+        assert isinstance(results[7], MessageTooLargeError)  # no other engine tried
+        assert "over the engine's limit of 3000 a message" in str(results[7])
+        sizes = engine.message_sizes
+        assert max(sizes) <= 3000 and len(sizes) >= 4 and any(s > 2000 for s in sizes)
         assert engine.many_calls == 1
         await engine.stop()
 
