@@ -35,6 +35,7 @@ EDGES = (
     "shared.grpc_tls",
     "shared.grpc_errors",
     "shared.grpc_request_decoding",
+    "shared.grpc_request_streams",
     "shared.grpc_server",
     "shared.health_check",  # the exec probe: a health client
     "shared.metrics.grpc_server",
