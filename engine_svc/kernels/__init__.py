@@ -5,7 +5,7 @@
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
 causal attention of a step's prompt chunks (float32; `packed_linear` also takes bfloat16
 weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
-oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX machines, and
+oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX and AVX512-BF16 machines, and
 elsewhere `row_gemv` takes their single rows). All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time

@@ -83,6 +83,10 @@ def library_path(level: str) -> Path:
     return build_dir(level) / f"{NAME}.so"
 
 
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) from AVX512-BF16 up, AMX aside.
+BF16_ONEDNN_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10")
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:
@@ -214,18 +218,24 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 def onednn_linear_available(dtype: torch.dtype) -> bool:
     """Whether bfloat16 projections keep their weights in oneDNN's blocked layout
     (`Projection.use_onednn`): where torch's bfloat16 matmul is oneDNN's and the CPU has
-    AMX, where it was measured (Intel Xeon, SmolLM2-135M's projections: 1.2-1.5x F.linear at
-    1 to 256 rows; one request as fast as the row GEMV). Without AMX (AVX512-BF16 alone,
-    AMD Zen 4) the row GEMV and F.linear measured there stay, as they do when oneDNN is held
-    to an ISA below AMX (ONEDNN_MAX_CPU_ISA)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    bfloat16 arithmetic, AMX or AVX512-BF16, where it was measured (SmolLM2-135M's
+    projections against F.linear: 1.2-1.5x at 1 to 256 rows on an Intel Xeon with AMX;
+    1.4-2x at 2 to 16 rows and 1.2x at 64 on an AMD EPYC Zen 5). Elsewhere (AVX-512 without
+    BF16, where oneDNN emulates it), and where oneDNN is held below those ISAs
+    (ONEDNN_MAX_CPU_ISA), torch's F.linear stays."""
     return (
         dtype == torch.bfloat16
-        and (not cap or cap == "ALL" or "AMX" in cap)
+        and _onednn_isa_allows_bf16()
         and torch.backends.mkldnn.is_available()
         and not torch_bf16_matmul_is_scalar()
-        and torch.cpu._is_amx_tile_supported()
+        and (torch.cpu._is_amx_tile_supported() or "avx512_bf16" in _cpu_flags())
     )
+
+
+def _onednn_isa_allows_bf16() -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA, if set, leaves oneDNN its bfloat16 instructions."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return not cap or cap == "ALL" or "AMX" in cap or cap.startswith(BF16_ONEDNN_ISAS)
 
 
 def row_gemv_available(dtype: torch.dtype) -> bool:
@@ -240,7 +250,7 @@ def row_gemv_available(dtype: torch.dtype) -> bool:
 
 
 def one_row_copy_available(dtype: torch.dtype) -> bool:
-    """Whether bfloat16 projections prepacked for oneDNN (AMX) can also keep their [out, in]
+    """Whether bfloat16 projections prepacked for oneDNN can also keep their [out, in]
     weights for `row_gemv`'s single rows (Projection.use_onednn's keep_rows): the kernels
     built at a level where the GEMV was measured faster than torch."""
     return onednn_linear_available(dtype) and _fast_build_loaded()

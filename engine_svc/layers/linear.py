@@ -4,8 +4,8 @@ After loading, every projection's weight is stored transposed, [in, out]: on CPU
 GEMM then skips transposing the weight while packing it at every call (decode's skinny
 matmuls ran 1.4x faster), with bit-identical results. With the C++ CPU kernels on, float32
 projections go further: their weights are packed once into the blocks a GEMM micro-kernel
-reads (`Projection.pack`); bfloat16 ones, where torch's bfloat16 matmul is oneDNN's on AMX,
-are reordered once into oneDNN's own blocked layout (`Projection.use_onednn`).
+reads (`Projection.pack`); bfloat16 ones, where torch's bfloat16 matmul is oneDNN's on AMX
+or AVX512-BF16, are reordered once into oneDNN's own blocked layout (`Projection.use_onednn`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class Projection(nn.Module):
         self._drop_plain_weights()
 
     def use_onednn(self, keep_rows: bool = False) -> None:
-        """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX): the weight reordered once
+        """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX, AVX512-BF16): the weight
+        reordered once
         into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
         prepacking does, instead of at every call. Results were F.linear's bit for bit on
         the AMX Xeon (test_onednn_linear.py checks it wherever this path is taken). A tied

@@ -21,9 +21,9 @@ from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# bfloat16 on AMX: models whose projection weights take at most this, and at most this share
-# of what the worker's memory budget leaves after the weights (the KV cache's and the
-# activations' room), keep a second, [out, in] copy of them for one-row steps
+# bfloat16 on AMX or AVX512-BF16: models whose projection weights take at most this, and at
+# most this share of what the worker's memory budget leaves after the weights (the KV
+# cache's and the activations' room), keep a second, [out, in] copy of them for one-row steps
 # (Projection.use_onednn's keep_rows). Past either, the copy's memory goes to the KV cache.
 ONE_ROW_COPY_MAX_BYTES = 1 << 30
 ONE_ROW_COPY_ROOM_SHARE = 1 / 4
@@ -48,8 +48,8 @@ def use_fused_ops(
 ) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
-    (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX, single
-    rows through the row GEMV on a copy of the weights where it fits
+    (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX or
+    AVX512-BF16, single rows through the row GEMV on a copy of the weights where it fits
     one_row_copy_limit(budget_bytes); elsewhere a single row through the row GEMV, more rows
     through torch). `decode_loop`: decode steps run the layers in one C++ call where it
     describes them (models/decode_layers.py)."""

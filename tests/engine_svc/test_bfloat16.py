@@ -2,8 +2,9 @@
 matmul is a scalar loop, so the engine keeps bfloat16 weights
 and caches (half the bytes) and computes projections and prompt attention in float32
 through the kernels, rounding to bfloat16 where torch would. Where oneDNN has one, torch
-multiplies: over weights prepacked in oneDNN's layout where the CPU has AMX, elsewhere with
-a single row through the row GEMV. bfloat16 greedy decoding is
+multiplies: over weights prepacked in oneDNN's layout where the CPU has AMX or AVX512-BF16
+(a single row through the row GEMV on a second copy where it fits), elsewhere on torch's
+F.linear with a single row through the row GEMV. bfloat16 greedy decoding is
 full of near-ties (logits carry 8 significant bits), so the check is teacher-forced: at
 every step the token we chose is Hugging Face's bfloat16 argmax, or within a bfloat16
 rounding of it."""

@@ -1,5 +1,6 @@
 """bfloat16 projections on weights prepacked in oneDNN's blocked layout
-(`Projection.use_onednn`), where torch's bfloat16 matmul is oneDNN's and the CPU has AMX:
+(`Projection.use_onednn`), where torch's bfloat16 matmul is oneDNN's and the CPU has
+bfloat16 arithmetic (AMX or AVX512-BF16):
 the results are F.linear's bit for bit, at decode's and prefill's row counts, and the
 engine chooses that layout exactly there."""
 
@@ -23,7 +24,7 @@ from engine_svc.layers.linear import Projection
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_linear_available(torch.bfloat16),
-    reason="the engine takes this path only where oneDNN runs bfloat16 on AMX",
+    reason="the engine takes this path only where oneDNN runs bfloat16 on AMX or AVX512-BF16",
 )
 
 
@@ -75,7 +76,7 @@ def test_a_weight_tied_to_the_embeddings_stays() -> None:
 
 needs_one_row_copy = pytest.mark.skipif(
     not one_row_copy_available(torch.bfloat16),
-    reason="needs oneDNN's prepacked bfloat16 (AMX) and the row GEMV of a fast kernel build",
+    reason="needs oneDNN's prepacked bfloat16 (AMX or AVX512-BF16) and a fast build's row GEMV",
 )
 
 
@@ -106,18 +107,21 @@ def test_kept_rows_serve_one_row_and_the_prepacked_weight_more(shared: bool) -> 
     assert torch.equal(projection(many), F.linear(many, weight, bias))
 
 
-def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_amx(
+def test_the_layout_is_chosen_for_bfloat16_where_the_cpu_has_bfloat16_arithmetic(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    expected = "amx_tile" in _cpu_flags() and not torch_bf16_matmul_is_scalar()
+    arithmetic = {"amx_tile", "avx512_bf16"} & _cpu_flags()
+    expected = bool(arithmetic) and not torch_bf16_matmul_is_scalar()
     assert onednn_linear_available(torch.bfloat16) == expected
     assert not onednn_linear_available(torch.float32)
     if expected:  # one layout per projection: the packed kernel and the row GEMV stand aside
         assert not packed_linear_available(torch.bfloat16)
         assert not row_gemv_available(torch.bfloat16)
-    # oneDNN held below AMX: torch's own paths.
+    # oneDNN held to its bfloat16 AVX-512 kernels: the same; below them, torch's own paths.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert onednn_linear_available(torch.bfloat16) == expected
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
     assert not onednn_linear_available(torch.bfloat16)
 
 
