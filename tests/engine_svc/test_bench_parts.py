@@ -129,3 +129,22 @@ def test_the_machine_line_names_the_fast_paths_of_the_dtype_measured() -> None:
         assert lines[1] == describe(dtype, 64)
         # The packed kernel serves bfloat16 only where torch's bfloat16 matmul is scalar.
         assert ("packed projections" in lines[1]) == packed_linear_available(dtype)
+
+
+def test_the_gemm_ceiling_is_the_fastest_gemm_the_process_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's matmul is timed first, then the engine's own path for the dtype where it has
+    one (float32's packed kernel on a fast build); each here "takes" half the time of the
+    one before, so the last is the ceiling, and two measurements keep the faster's name."""
+    from engine_svc.bench import ceiling
+    from engine_svc.kernels import packed_linear_available
+
+    seconds = iter([2.0, 1.0, 0.5])
+    monkeypatch.setattr(ceiling, "_best_seconds", lambda gemm: (gemm(), next(seconds))[1])
+    name, flops = ceiling.measure_gemm_flops(torch.float32, size=64)
+    own = packed_linear_available(torch.float32)
+    assert (name, flops) == (("packed", 2 * 64**3) if own else ("torch", 64**3))
+    slow = ceiling.Ceilings(1.0, 5.0, "torch")
+    fast = ceiling.Ceilings(2.0, 4.0, "packed")
+    assert slow.best(fast) == fast.best(slow) == ceiling.Ceilings(2.0, 5.0, "packed")
