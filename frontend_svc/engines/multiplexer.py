@@ -198,13 +198,20 @@ class Multiplexer:
             if GENERATE_MANY_READY not in metadata:
                 self._end(call, await _status_without_marker(call))
                 return
-            self._is_ready = True
-            self._engine_message_bytes = _engine_message_bytes(metadata, self.channel_max_bytes)
-            while True:
+            if self._call is call:
+                self._is_ready = True
+                self._engine_message_bytes = _engine_message_bytes(metadata, self.channel_max_bytes)
+            # Only while its call is the current one: once it has ended (even from this task:
+            # a refused request draining it), the outbox belongs to the next call's writer.
+            while self._call is call:
                 await self._outbox.wait()
+                if self._call is not call:
+                    break  # the set was the next call's: its writer clears it
                 self._outbox.clear()
-                while self._unsent or self._aborts:
-                    await call.write(self._next_message())
+                while self._call is call and (self._unsent or self._aborts):
+                    message = self._next_message()
+                    if self._call is call:
+                        await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call ended: the reader hears why and fails its requests
         except Exception as error:  # not expected: the call cannot go on without a writer

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from frontend_svc.engines import multiplexer
+from frontend_svc.engines.convert import to_generate_request
 from frontend_svc.engines.router import EngineCallStop
 from frontend_svc.messages import EngineOutput, EngineRequest, SamplingOptions
 from frontend_svc.tokenizer import Tokenizer
@@ -216,6 +217,35 @@ def test_an_engine_without_generate_many_is_asked_again_after_an_outage(
             await wait_for(lambda: endpoint.is_serving)
             assert endpoint.mux.is_supported
         assert [r.request_id for r in engine.calls] == ["before"]
+        await engine.stop()
+
+    run(body)
+
+
+def test_a_call_ended_by_its_own_writer_leaves_the_next_call_its_requests(
+    tokenizer: Tokenizer,
+) -> None:
+    """A draining multiplexer whose only request is too big for the engine: refusing it
+    drains the call, which its writer then ends itself. A request started after that opens
+    the next call and is served there."""
+
+    async def body() -> None:
+        engine = FakeEngine(tokenizer.encode(TEXT))
+        engine.max_message_bytes = 3000
+        await engine.start()
+        async with router_for([engine]) as router:
+            [endpoint] = router.pool.available
+            mux = endpoint.mux
+            mux.drain()
+            too_big = mux.start(to_generate_request(_prompt_request("too-big", 2000)), None)
+            with pytest.raises(MessageTooLargeError):
+                async for _ in too_big.responses():
+                    pass
+            await wait_for(lambda: not mux.is_open)
+            small = mux.start(to_generate_request(_prompt_request("small", 10)), None)
+            tokens = [t async for r in small.responses() for t in r.token_ids]
+        assert len(tokens) == 3
+        assert engine.many_calls == 2 and [r.request_id for r in engine.calls] == ["small"]
         await engine.stop()
 
     run(body)
