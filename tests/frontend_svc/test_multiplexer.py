@@ -109,6 +109,13 @@ def test_closing_an_endpoint_ends_its_idle_call_without_waiting_out_the_grace(
     run(body)
 
 
+async def _engine_taking(max_message_bytes: int, tokenizer: Tokenizer) -> FakeEngine:
+    """A started engine that takes messages of at most this many bytes, and says so."""
+    engine = FakeEngine(tokenizer.encode(TEXT))
+    engine.max_message_bytes = max_message_bytes
+    return await engine.start()
+
+
 def _prompt_request(request_id: str, num_tokens: int) -> EngineRequest:
     sampling = SamplingOptions(max_tokens=3, temperature=0.0)
     prompt = tuple(1000 + i for i in range(num_tokens))
@@ -126,9 +133,7 @@ def test_messages_stay_within_the_engines_limit_and_a_request_over_it_fails_alon
     monkeypatch.setattr(multiplexer, "MAX_MESSAGE_BYTES", 2000)
 
     async def body() -> None:
-        engine = FakeEngine(tokenizer.encode(TEXT))
-        engine.max_message_bytes = 3000
-        await engine.start()
+        engine = await _engine_taking(3000, tokenizer)
         async with router_for([engine]) as router:
             [endpoint] = router.pool.available
             requests = [_prompt_request(f"fits-{i}", 400) for i in range(6)]
@@ -230,9 +235,7 @@ def test_a_call_ended_by_its_own_writer_leaves_the_next_call_its_requests(
     the next call and is served there."""
 
     async def body() -> None:
-        engine = FakeEngine(tokenizer.encode(TEXT))
-        engine.max_message_bytes = 3000
-        await engine.start()
+        engine = await _engine_taking(3000, tokenizer)
         async with router_for([engine]) as router:
             [endpoint] = router.pool.available
             mux = endpoint.mux
