@@ -23,10 +23,18 @@ GENERATE_MANY_READY = ("generate-many", "ready")
 # client sends no bigger one, which would end the whole call.
 GENERATE_MANY_MAX_MESSAGE_BYTES = "generate-many-max-message-bytes"
 
+
+def field_entry_bytes(size: int) -> int:
+    """The bytes a submessage of `size` bytes adds to a repeated field of a message (field
+    numbers under 16): itself, its one-byte tag and its length as a varint."""
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size
+
+
 __all__ = [
     "GENERATE_MANY_MAX_MESSAGE_BYTES",
     "GENERATE_MANY_READY",
     "GEN_DIR",
     "engine_pb2",
     "engine_pb2_grpc",
+    "field_entry_bytes",
 ]

@@ -17,6 +17,7 @@ from engine_svc.server import convert
 from shared.errors import EngineUnavailableError, InvalidRequestError, MessageTooLargeError
 from shared.grpc_errors import status_for
 from shared.protos import engine_pb2 as pb
+from shared.protos import field_entry_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ MAX_REQUESTS_PER_MESSAGE = 1024
 # One request's output over it fails that request alone (RESOURCE_EXHAUSTED), where on the
 # client's side it would end the call for all.
 MAX_RESPONSE_BYTES = 4 << 20
+# What a response takes from one request: its output, its error, or nothing.
+_Entry = pb.GenerateResponse | pb.RequestError | None
 METHOD = f"/{pb.DESCRIPTOR.services_by_name['EngineCoreService'].full_name}/GenerateMany"
 
 
@@ -66,8 +69,7 @@ class GenerateManyCall:
                     _add_error(response, request_id, error)
                 size = response.ByteSize()
                 for stream in ready:
-                    entry = self._take(stream)
-                    entry_size = _entry_size(entry)
+                    entry, entry_size = self._take(stream)
                     if size + entry_size > MAX_RESPONSE_BYTES and size:  # the rest in another
                         yield response
                         response, size = pb.GenerateManyResponse(), 0
@@ -86,21 +88,23 @@ class GenerateManyCall:
             if self.live:
                 self.client.abort_soon(list(self.live))
 
-    def _take(self, stream: RequestOutputStream) -> pb.GenerateResponse | pb.RequestError | None:
-        """The stream's pending output, or its error; None when its end went out already."""
+    def _take(self, stream: RequestOutputStream) -> tuple[_Entry, int]:
+        """The stream's pending output, or its error (None when its end went out already),
+        and the bytes it adds to a response."""
         if stream in self.dropped:  # its error went out: what the abort brings goes nowhere
             with contextlib.suppress(Exception):
                 stream.take()
             if stream.is_done:
                 self.dropped.discard(stream)
-            return None
+            return None, 0
         if stream.is_done:
-            return None
+            return None, 0
         try:
             output = convert.to_generate_response(stream.take())
-            if output.ByteSize() > MAX_RESPONSE_BYTES:
+            size = output.ByteSize()
+            if size > MAX_RESPONSE_BYTES:
                 raise MessageTooLargeError(
-                    f"one output of {output.ByteSize()} bytes is over the "
+                    f"one output of {size} bytes is over the "
                     f"{MAX_RESPONSE_BYTES}-byte bound on a response"
                 )
         except Exception as error:  # the request's own failure, not the call's
@@ -108,10 +112,11 @@ class GenerateManyCall:
                 self.client.abort_soon([stream.request_id])
                 self.dropped.add(stream)
             self.live.pop(stream.request_id, None)
-            return _request_error(stream.request_id, error)
+            refusal = _request_error(stream.request_id, error)
+            return refusal, field_entry_bytes(refusal.ByteSize())
         if stream.is_done:
             self.live.pop(stream.request_id, None)
-        return output
+        return output, field_entry_bytes(size)
 
     async def _read(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> None:
         async for message in requests:
@@ -156,22 +161,8 @@ def _add_error(response: pb.GenerateManyResponse, request_id: str, error: Except
     response.errors.append(_request_error(request_id, error))
 
 
-def _add_entry(
-    response: pb.GenerateManyResponse, entry: pb.GenerateResponse | pb.RequestError | None
-) -> None:
+def _add_entry(response: pb.GenerateManyResponse, entry: _Entry) -> None:
     if isinstance(entry, pb.GenerateResponse):
         response.outputs.append(entry)
     elif entry is not None:
         response.errors.append(entry)
-
-
-def _entry_size(entry: pb.GenerateResponse | pb.RequestError | None) -> int:
-    """The bytes `entry` adds to a response: its own, its field's tag and its length."""
-    if entry is None:
-        return 0
-    size = entry.ByteSize()
-    return 1 + _varint_size(size) + size
-
-
-def _varint_size(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)

@@ -19,7 +19,12 @@ from typing import Any
 import grpc
 
 from shared.errors import MessageTooLargeError
-from shared.protos import GENERATE_MANY_MAX_MESSAGE_BYTES, GENERATE_MANY_READY, engine_pb2_grpc
+from shared.protos import (
+    GENERATE_MANY_MAX_MESSAGE_BYTES,
+    GENERATE_MANY_READY,
+    engine_pb2_grpc,
+    field_entry_bytes,
+)
 from shared.protos import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -229,7 +234,7 @@ class Multiplexer:
         bound = min(MAX_MESSAGE_BYTES, self._engine_message_bytes)
         while self._unsent and count < MAX_REQUESTS_PER_MESSAGE:
             request = next(iter(self._unsent.values()))
-            entry_size = _entry_size(request.ByteSize())
+            entry_size = field_entry_bytes(request.ByteSize())
             if size + entry_size > bound and size:
                 break  # in the next message
             if size + entry_size > self._engine_message_bytes:
@@ -352,11 +357,6 @@ def _engine_message_bytes(metadata: tuple[Any, ...], channel_max_bytes: int) -> 
             except ValueError:
                 logger.warning("ignoring %s: %r", key, value)
     return channel_max_bytes
-
-
-def _entry_size(size: int) -> int:
-    """The bytes a submessage of `size` bytes adds to a message: itself, its tag, its length."""
-    return 1 + max(1, (size.bit_length() + 6) // 7) + size
 
 
 def _call_status(code: grpc.StatusCode, details: str) -> EngineStatusError:
