@@ -3,7 +3,7 @@
 `paged_decode_attention` reads the paged KV cache directly; `torch.ops.duoserve.rms_norm`,
 `add_rms_norm` and `rotary_inplace` fuse a layer's elementwise work; `packed_linear` runs a
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
-causal attention of a step's prompt chunks (float32; `packed_linear` also takes bfloat16
+causal attention of a step's prompt chunks (float32 or bfloat16; `packed_linear` also takes bfloat16
 weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
 oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX and AVX512-BF16 machines, and
 elsewhere `row_gemv` takes their single rows). All live in

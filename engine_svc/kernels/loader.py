@@ -262,11 +262,12 @@ def _fast_build_loaded() -> bool:
 
 
 def prefill_attention_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention_` serves this model: float32 (bfloat16, where torch's
-    bfloat16 matmul is scalar, attends in float32: layers/attention.py), head_dim a
-    multiple of the kernel's K/V panel (64 floats on AVX-512, 16 on AVX2), on a level where
-    it was measured faster than torch's SDPA. Elsewhere prompts attend through SDPA."""
-    build = loaded_build() if _kernel_dtype(dtype) else None
+    """Whether `prefill_attention_` serves this model: float32 or bfloat16 (widened as it
+    is read, computed in float32), head_dim a multiple of the kernel's K/V panel (64 floats
+    on AVX-512, 16 on AVX2), on a level where it was measured faster than torch's SDPA.
+    Elsewhere prompts attend through SDPA. bfloat16 where torch's is oneDNN's (AVX512-BF16,
+    Zen 5): 2.4 ms a layer against SDPA's 9 for 2,048 prompt tokens in 15 chunks."""
+    build = loaded_build() if dtype in (torch.float32, torch.bfloat16) else None
     return build is not None and build.fast and head_dim % build.prefill_panel == 0
 
 

@@ -134,15 +134,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.prefill_kernel is not None:
         starts, lens = meta.prefill_kernel.query_starts, meta.prefill_kernel.query_lens
-        if q.dtype == torch.float32:
-            torch.ops.duoserve.prefill_attention_(out, q, k, v, starts, lens, scale, window or 0)
-        else:  # bfloat16 where torch's is scalar: the kernel runs in float32
-            out32 = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            q32, k32, v32 = q.float(), k.float(), v.float()
-            torch.ops.duoserve.prefill_attention_(
-                out32, q32, k32, v32, starts, lens, scale, window or 0
-            )
-            out.copy_(out32)
+        torch.ops.duoserve.prefill_attention_(out, q, k, v, starts, lens, scale, window or 0)
     if meta.num_decodes:
         decode = slice(0, meta.num_decodes)
         out[decode] = _decode_attention(q[decode], k_cache, v_cache, meta, scale, window, softcap)

@@ -340,7 +340,13 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
     for (int64_t t = 0; t < padded; t += kLanes) {
       const fvec e = exp(fvec::loadu(s + t) - max_score);
       const fvec kept = fvec::set(fvec(0.0f), e, std::min<int64_t>(kLanes, len - t));
-      kept.store(s + t);
+      // bfloat16: P V takes the numerators rounded to bfloat16 (the sum stays unrounded),
+      // as torch's flash attention does, so outputs stay Hugging Face's SDPA ones.
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        round_to_bf16(kept).store(s + t);
+      } else {
+        kept.store(s + t);
+      }
       sum_v = sum_v + kept;
     }
     inv_sum[g] = 1.0f / reduce_add(sum_v);

@@ -1,6 +1,6 @@
 // Causal self-attention of prompt chunks that have no cached context, for CPU: all of a
-// step's chunks in one call (float32, head_dim a multiple of the key panel: 64 floats on
-// AVX-512, 16 on AVX2 and NEON).
+// step's chunks in one call (float32 or bfloat16, computed in float32; head_dim a multiple
+// of the key panel: 64 floats on AVX-512, 16 on AVX2 and NEON).
 //
 // torch's SDPA took one call per chunk per layer, and its flash kernel is slow at prompt
 // sizes (16 chunks of 64-192 tokens: 8-9.5 ms per layer). Here a task is (chunk, KV head,
@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -41,10 +42,14 @@ struct Task {
 
 // Row i of `scores` (query first_row + i; column j is key first_key + j) becomes its
 // causal softmax over the keys up to the query, from its window's first key on:
-// exp(scale (s - max)) / sum, and 0 for the others, up to `width`.
+// exp(scale s - max) / sum, and 0 for the others, up to `width`. With `inv_sums` (bfloat16
+// inputs), the row keeps its numerators rounded to bfloat16 and inv_sums[i] gets 1 / sum of
+// the unrounded ones, to apply after P V: how torch's flash attention computes in bfloat16,
+// so the engine's bfloat16 outputs stay those of Hugging Face's SDPA.
 void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t first_key,
-                    int64_t width, int64_t window, float scale) {
+                    int64_t width, int64_t window, float scale, float* inv_sums) {
   const fvec lowest(-std::numeric_limits<float>::infinity());
+  const fvec scale_v(scale);
   for (int64_t i = 0; i < rows; ++i) {
     float* s = scores + i * width;
     const int64_t query = first_row + i;
@@ -56,33 +61,140 @@ void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t firs
     fvec max_v = lowest;
     for (int64_t j = 0; j < keys; j += kLanes) {
       const int64_t count = std::min<int64_t>(kLanes, keys - j);
-      max_v = at::vec::maximum(max_v, fvec::set(lowest, fvec::loadu(s + j, count), count));
+      const fvec scaled = fvec::loadu(s + j, count) * scale_v;
+      max_v = at::vec::maximum(max_v, fvec::set(lowest, scaled, count));
     }
     const fvec max_score(reduce_max(max_v));
-    const fvec scale_v(scale);
     fvec sum_v(0.0f);
     for (int64_t j = 0; j < width; j += kLanes) {
-      const fvec e = exp((fvec::loadu(s + j) - max_score) * scale_v);
+      const fvec e = exp(fvec::loadu(s + j) * scale_v - max_score);
       const fvec kept = fvec::set(fvec(0.0f), e, std::clamp<int64_t>(keys - j, 0, kLanes));
-      kept.store(s + j);
+      (inv_sums != nullptr ? round_to_bf16(kept) : kept).store(s + j);
       sum_v = sum_v + kept;
     }
-    const fvec inv(1.0f / reduce_add(sum_v));
-    for (int64_t j = 0; j < width; j += kLanes) (fvec::loadu(s + j) * inv).store(s + j);
+    const float inv = 1.0f / reduce_add(sum_v);
+    if (inv_sums != nullptr) {
+      inv_sums[i] = inv;
+      continue;
+    }
+    const fvec inv_v(inv);
+    for (int64_t j = 0; j < width; j += kLanes) (fvec::loadu(s + j) * inv_v).store(s + j);
   }
 }
 
+inline float widened(float x) { return x; }
+inline float widened(at::BFloat16 x) { return static_cast<float>(x); }
+
 // out, q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (strided views, such
-// as the fused qkv projection's); chunk i is tokens [starts[i], starts[i] + lens[i]).
+// as the fused qkv projection's); chunk i is tokens [starts[i], starts[i] + lens[i]). T is
+// float or at::BFloat16: bfloat16 is widened as the task lays out its keys, values and query
+// rows and the math runs in float32, with P rounded to bfloat16 as torch's flash attention
+// rounds it (causal_softmax) and each output row rounded once at the end.
+template <typename T>
+void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const int32_t* start_ptr, const int32_t* len_ptr, int64_t num_chunks,
+                   int64_t max_len, double scale, int64_t window) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t row = 0; row < len_ptr[c]; row += kTaskRows) tasks.push_back({c, h, row});
+    }
+  }
+  // Longest first (a task's cost grows with its last row), so the last ones are short.
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return std::min<int64_t>(a.first_row + kTaskRows, len_ptr[a.chunk]) >
+           std::min<int64_t>(b.first_row + kTaskRows, len_ptr[b.chunk]);
+  });
+  const int64_t group = heads / kv_heads;
+  const int64_t max_keys = (max_len + kPanel - 1) / kPanel * kPanel;
+  const int64_t dim_panels = dim / kPanel;
+  std::atomic<int64_t> next_task{0};
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> keys_t(max_keys * dim);  // [key panel][dim][kPanel keys]
+    std::vector<float> values(dim_panels * max_keys * kPanel);  // [dim panel][key][kPanel]
+    std::vector<float> scores(kTaskRows * max_keys);  // [query row][key]
+    // bfloat16: one query head's rows of the task, widened, and their float32 results.
+    std::vector<float> query(kWiden ? kTaskRows * dim : 0);
+    std::vector<float> result(kWiden ? kTaskRows * dim : 0);
+    float inv_sums[kTaskRows];
+    for (int64_t index = next_task++; index < static_cast<int64_t>(tasks.size());
+         index = next_task++) {
+      const Task& task = tasks[index];
+      const int64_t start = start_ptr[task.chunk];
+      const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
+      // Keys [first_key, first_row + rows): causal, no query here sees further; windowed,
+      // none sees further back than the first row's window.
+      const int64_t first_key =
+          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) : 0;
+      const int64_t keys = task.first_row + rows - first_key;
+      const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
+      for (int64_t key = 0; key < width; ++key) {
+        const int64_t panel = key / kPanel, lane = key % kPanel;
+        const int64_t token = start + first_key + std::min(key, keys - 1);  // padding: any row
+        const T* k_row = k_ptr + token * k.stride(0) + task.kv_head * k.stride(1);
+        const T* v_row = v_ptr + token * v.stride(0) + task.kv_head * v.stride(1);
+        for (int64_t d = 0; d < dim; ++d) {
+          keys_t[(panel * dim + d) * kPanel + lane] = key < keys ? widened(k_row[d]) : 0.0f;
+          values[((d / kPanel) * width + key) * kPanel + d % kPanel] =
+              key < keys ? widened(v_row[d]) : 0.0f;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = task.kv_head * group + g;
+        const T* q_rows = q_ptr + (start + task.first_row) * q.stride(0) + head * q.stride(1);
+        T* out_rows = out_ptr + (start + task.first_row) * out.stride(0) + head * out.stride(1);
+        const float* a = nullptr;
+        int64_t lda = 0, ldc = 0;
+        float* c = nullptr;
+        if constexpr (kWiden) {
+          for (int64_t i = 0; i < rows; ++i) {
+            widen_bf16(q_rows + i * q.stride(0), query.data() + i * dim, dim);
+          }
+          a = query.data(), lda = dim, c = result.data(), ldc = dim;
+        } else {
+          a = q_rows, lda = q.stride(0), c = out_rows, ldc = out.stride(0);
+        }
+        for (int64_t panel = 0; panel < width / kPanel; ++panel) {
+          panel_rows<kAttentionVectors>(a, lda, rows, keys_t.data() + panel * dim * kPanel, dim,
+                                        nullptr, scores.data() + panel * kPanel, width, kPanel,
+                                        nullptr);
+        }
+        causal_softmax(scores.data(), rows, task.first_row, first_key, width, window,
+                       static_cast<float>(scale), kWiden ? inv_sums : nullptr);
+        for (int64_t panel = 0; panel < dim_panels; ++panel) {
+          panel_rows<kAttentionVectors>(scores.data(), width, rows,
+                                        values.data() + panel * width * kPanel, width, nullptr,
+                                        c + panel * kPanel, ldc, kPanel, nullptr);
+        }
+        if constexpr (kWiden) {  // normalized, then rounded to nearest even as torch rounds
+          for (int64_t i = 0; i < rows; ++i) {
+            float* row = result.data() + i * dim;
+            const fvec inv(inv_sums[i]);
+            for (int64_t d = 0; d < dim; d += kLanes) (fvec::loadu(row + d) * inv).store(row + d);
+            at::vec::convert(row, out_rows + i * out.stride(0), dim);
+          }
+        }
+      }
+    }
+  });
+}
+
 void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
                         double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "prefill_attention: q and out must be [tokens, heads, head_dim], k and v "
               "[tokens, kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "prefill_attention: float32 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && out.scalar_type() == dtype,
+              "prefill_attention: q, k, v and out must all be float32 or all bfloat16");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
               "prefill_attention: head_dim must be contiguous");
   const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
@@ -104,69 +216,12 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                 "prefill_attention: chunk ", c, " is out of range");
     max_len = std::max<int64_t>(max_len, len_ptr[c]);
   }
-  std::vector<Task> tasks;
-  for (int64_t c = 0; c < starts.numel(); ++c) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t row = 0; row < len_ptr[c]; row += kTaskRows) tasks.push_back({c, h, row});
-    }
+  if (dtype == at::kFloat) {
+    attend_chunks<float>(out, q, k, v, start_ptr, len_ptr, starts.numel(), max_len, scale, window);
+  } else {
+    attend_chunks<at::BFloat16>(out, q, k, v, start_ptr, len_ptr, starts.numel(), max_len, scale,
+                                window);
   }
-  // Longest first (a task's cost grows with its last row), so the last ones are short.
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    return std::min<int64_t>(a.first_row + kTaskRows, len_ptr[a.chunk]) >
-           std::min<int64_t>(b.first_row + kTaskRows, len_ptr[b.chunk]);
-  });
-  const int64_t group = heads / kv_heads;
-  const int64_t max_keys = (max_len + kPanel - 1) / kPanel * kPanel;
-  const int64_t dim_panels = dim / kPanel;
-  std::atomic<int64_t> next_task{0};
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k.data_ptr<float>();
-  const float* v_ptr = v.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> keys_t(max_keys * dim);  // [key panel][dim][kPanel keys]
-    std::vector<float> values(dim_panels * max_keys * kPanel);  // [dim panel][key][kPanel]
-    std::vector<float> scores(kTaskRows * max_keys);  // [query row][key]
-    for (int64_t index = next_task++; index < static_cast<int64_t>(tasks.size());
-         index = next_task++) {
-      const Task& task = tasks[index];
-      const int64_t start = start_ptr[task.chunk];
-      const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
-      // Keys [first_key, first_row + rows): causal, no query here sees further; windowed,
-      // none sees further back than the first row's window.
-      const int64_t first_key =
-          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) : 0;
-      const int64_t keys = task.first_row + rows - first_key;
-      const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
-      for (int64_t key = 0; key < width; ++key) {
-        const int64_t panel = key / kPanel, lane = key % kPanel;
-        const int64_t token = start + first_key + std::min(key, keys - 1);  // padding: any row
-        const float* k_row = k_ptr + token * k.stride(0) + task.kv_head * k.stride(1);
-        const float* v_row = v_ptr + token * v.stride(0) + task.kv_head * v.stride(1);
-        for (int64_t d = 0; d < dim; ++d) {
-          keys_t[(panel * dim + d) * kPanel + lane] = key < keys ? k_row[d] : 0.0f;
-          values[((d / kPanel) * width + key) * kPanel + d % kPanel] = key < keys ? v_row[d] : 0.0f;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = task.kv_head * group + g;
-        const float* q_rows = q_ptr + (start + task.first_row) * q.stride(0) + head * q.stride(1);
-        for (int64_t panel = 0; panel < width / kPanel; ++panel) {
-          panel_rows<kAttentionVectors>(q_rows, q.stride(0), rows,
-                                        keys_t.data() + panel * dim * kPanel, dim, nullptr,
-                                        scores.data() + panel * kPanel, width, kPanel, nullptr);
-        }
-        causal_softmax(scores.data(), rows, task.first_row, first_key, width, window,
-                       static_cast<float>(scale));
-        float* out_rows = out_ptr + (start + task.first_row) * out.stride(0) + head * out.stride(1);
-        for (int64_t panel = 0; panel < dim_panels; ++panel) {
-          panel_rows<kAttentionVectors>(scores.data(), width, rows,
-                                        values.data() + panel * width * kPanel, width, nullptr,
-                                        out_rows + panel * kPanel, out.stride(0), kPanel, nullptr);
-        }
-      }
-    }
-  });
 }
 
 int64_t prefill_attention_panel() { return kPanel; }

@@ -130,6 +130,32 @@ inline void widen_bf16(const at::BFloat16* __restrict src, float* __restrict dst
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// v with each lane rounded to the nearest bfloat16 (ties to even), still as float32: the
+// bits plus 0x7fff plus the kept part's lowest bit, the low half cleared (finite values).
+inline fvec round_to_bf16(fvec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(~0xffff)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(~0xffff)));
+#elif defined(__aarch64__)
+  const uint32x4_t bits = vreinterpretq_u32_f32(vreg(v));
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+  const uint32x4_t sum = vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7fff)));
+  return fvec(vreinterpretq_f32_u32(vandq_u32(sum, vdupq_n_u32(0xffff0000u))));
+#else
+  __at_align__ float lanes[kLanes];
+  v.store(lanes);
+  for (float& lane : lanes) lane = static_cast<float>(static_cast<at::BFloat16>(lane));
+  return fvec::loadu(lanes);
+#endif
+}
+
 // exp(x): n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 Taylor
 // polynomial for exp(r) on |r| <= ln2 / 2, scaled by 2^n through the exponent bits. Within
 // 2 ulp of expf down to FLT_MIN (results below it are 0, as softmax and silu can take);
