@@ -153,8 +153,9 @@ def measure_ceilings(args: argparse.Namespace) -> ceiling.Ceilings | None:
     if args.skip_ceilings:
         return None
     ceilings = ceiling.measure_ceilings(DTYPES[args.dtype])
-    print(f"ceilings: GEMM {ceilings.flops_per_s / 1e9:.1f} GFLOP/s ({args.dtype}), "
-          f"copy {ceilings.bytes_per_s / 1e9:.1f} GB/s (read+write)")  # fmt: skip
+    print(f"ceilings: GEMM {ceilings.flops_per_s / 1e9:.1f} GFLOP/s ({args.dtype}, "
+          f"{ceilings.gemm}), memory {ceilings.bytes_per_s / 1e9:.1f} GB/s "
+          f"({ceilings.memory})")  # fmt: skip
     return ceilings
 
 

@@ -145,6 +145,31 @@ def test_the_gemm_ceiling_is_the_fastest_gemm_the_process_has(
     name, flops = ceiling.measure_gemm_flops(torch.float32, size=64)
     own = packed_linear_available(torch.float32)
     assert (name, flops) == (("packed", 2 * 64**3) if own else ("torch", 64**3))
-    slow = ceiling.Ceilings(1.0, 5.0, "torch")
-    fast = ceiling.Ceilings(2.0, 4.0, "packed")
-    assert slow.best(fast) == fast.best(slow) == ceiling.Ceilings(2.0, 5.0, "packed")
+    slow = ceiling.Ceilings(1.0, 5.0, "torch", "read")
+    fast = ceiling.Ceilings(2.0, 4.0, "packed", "copy")
+    assert slow.best(fast) == fast.best(slow) == ceiling.Ceilings(2.0, 5.0, "packed", "read")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_ceiling_is_the_fastest_stream_the_process_has(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A copy (read and write bytes), a read, then the engine's one-row projection where a
+    kernel serves the dtype; each here "takes" a quarter, then half, of the time of the one
+    before (the copy's bytes count twice: read and written), and each stream really runs."""
+    from engine_svc.bench import ceiling
+    from engine_svc.kernels.loader import (
+        one_row_copy_available,
+        packed_linear_available,
+        row_gemv_available,
+    )
+
+    seconds = iter([1.0, 0.25, 0.125])
+    monkeypatch.setattr(ceiling, "_best_seconds", lambda run: (run(), next(seconds))[1])
+    name, rate = ceiling.measure_memory_bandwidth(dtype, num_bytes=1 << 20)
+    if packed_linear_available(dtype):
+        assert (name, rate) == ("packed", 8 << 20)
+    elif row_gemv_available(dtype) or one_row_copy_available(dtype):
+        assert (name, rate) == ("row_gemv", 8 << 20)
+    else:
+        assert (name, rate) == ("read", 4 << 20)
