@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from engine_svc.kernels.loader import (
+    bf16_pairs_available,
     one_row_copy_available,
     onednn_linear_available,
     packed_block_size,
@@ -34,8 +35,8 @@ NUM_TRIALS = 5
 class Ceilings:
     flops_per_s: float  # best large GEMM of the dtype
     bytes_per_s: float  # best large stream of memory (measure_memory_bandwidth)
-    gemm: str = "torch"  # whose GEMM it was: "torch", "packed" (ours) or "onednn" (prepacked)
-    memory: str = "copy"  # which stream: "copy", "read", "packed" or "row_gemv"
+    gemm: str = "torch"  # whose GEMM: "torch", "packed" or "pairs" (ours), "onednn" (prepacked)
+    memory: str = "copy"  # which stream: "copy", "read", "packed", "pairs" or "row_gemv"
 
     def best(self, other: Ceilings) -> Ceilings:
         """A ceiling is a maximum: keep the higher of two measurements of each."""
@@ -64,9 +65,9 @@ def measure_gemm_flops(
 ) -> tuple[str, float]:
     """The fastest square GEMM this process has for `dtype`, and its FLOP/s: torch's matmul,
     and the engine's own projection paths where they serve the dtype (float32's packed
-    kernel; bfloat16 on oneDNN's prepacked weights). A ceiling is what the machine can do:
-    MKL's float32 GEMM runs well below the FMA units' rate on AMD EPYC, where a batch through
-    our kernel read as 171% of it."""
+    kernel; bfloat16 on oneDNN's prepacked weights, and on pairs of k for AVX512-BF16). A
+    ceiling is what the machine can do: MKL's float32 GEMM runs well below the FMA units'
+    rate on AMD EPYC, where a batch through our kernel read as 171% of it."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     out = torch.empty(size, size, dtype=dtype)
@@ -79,6 +80,9 @@ def measure_gemm_flops(
         gemms["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(
             a, reordered, None, "none", [], ""
         )
+    if bf16_pairs_available(dtype):
+        pairs = torch.ops.duoserve.pack_bf16_pairs(b.t().contiguous())
+        gemms["pairs"] = lambda: torch.ops.duoserve.bf16_pairs_linear(a, pairs, size, None)
     rates = {name: 2 * size**3 / _best_seconds(gemm) for name, gemm in gemms.items()}
     fastest = max(rates, key=rates.__getitem__)
     return fastest, rates[fastest]
@@ -103,10 +107,11 @@ def measure_memory_bandwidth(
     """The fastest stream of `num_bytes` this process has, and its bytes/s: a copy (read
     plus write bytes), a read (torch's max), and the engine's one-row projection over a
     weight of that size where a kernel serves the dtype (float32's packed kernel; bfloat16's
-    row GEMV), which is what one request's decode does with the model's weights. On the Zen 5
-    the three ran at 39-46 GB/s. A last-level cache that keeps part of a small model's
-    weights from one token to the next (32 MiB there, against SmolLM2's 538 MB in float32)
-    lets a decode pass this ceiling: one float32 request read its weights at 48 GB/s."""
+    pairs kernel, or its row GEMV), which is what one request's decode does with the model's
+    weights. On the Zen 5 the three ran at 39-46 GB/s. A last-level cache that keeps part of
+    a small model's weights from one token to the next (32 MiB there, against SmolLM2's 538
+    MB in float32) lets a decode pass this ceiling: one float32 request read its weights at
+    48 GB/s."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     streams: dict[str, tuple[int, Callable[[], object]]] = {
@@ -123,6 +128,14 @@ def measure_memory_bandwidth(
         streams["packed"] = (
             num_bytes,
             lambda: torch.ops.duoserve.packed_linear(row, packed, rows, None),
+        )
+    elif bf16_pairs_available(dtype):
+        weight = torch.ones(rows, width, dtype=dtype)
+        pairs = torch.ops.duoserve.pack_bf16_pairs(weight)
+        del weight
+        streams["pairs"] = (
+            num_bytes,
+            lambda: torch.ops.duoserve.bf16_pairs_linear(row, pairs, rows, None),
         )
     elif row_gemv_available(dtype) or one_row_copy_available(dtype):
         weight = torch.ones(rows, width, dtype=dtype)

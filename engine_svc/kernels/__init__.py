@@ -5,8 +5,9 @@
 projection over weights packed once by `pack_linear_weight`, and `prefill_attention_` the
 causal attention of a step's prompt chunks (float32 or bfloat16; `packed_linear` also takes bfloat16
 weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
-oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX and AVX512-BF16 machines, and
-elsewhere `row_gemv` takes their single rows). All live in
+oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX machines, run
+`bf16_pairs_linear` over weights packed in pairs of k by `pack_bf16_pairs` on AVX512-BF16 ones,
+and elsewhere `row_gemv` takes their single rows). All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a
@@ -18,6 +19,7 @@ to float rounding.
 """
 
 from engine_svc.kernels.loader import (
+    bf16_pairs_available,
     cpu_kernels_available,
     describe,
     one_row_copy_available,
@@ -31,6 +33,7 @@ from engine_svc.kernels.loader import (
 )
 
 __all__ = [
+    "bf16_pairs_available",
     "cpu_kernels_available",
     "describe",
     "one_row_copy_available",

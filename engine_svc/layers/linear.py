@@ -4,8 +4,10 @@ After loading, every projection's weight is stored transposed, [in, out]: on CPU
 GEMM then skips transposing the weight while packing it at every call (decode's skinny
 matmuls ran 1.4x faster), with bit-identical results. With the C++ CPU kernels on, float32
 projections go further: their weights are packed once into the blocks a GEMM micro-kernel
-reads (`Projection.pack`); bfloat16 ones, where torch's bfloat16 matmul is oneDNN's on AMX
-or AVX512-BF16, are reordered once into oneDNN's own blocked layout (`Projection.use_onednn`).
+reads (`Projection.pack`); bfloat16 ones are packed once in pairs of k for AVX512-BF16's dot
+products (`Projection.use_bf16_pairs`) on CPUs that have them without AMX, or, where torch's
+bfloat16 matmul is oneDNN's on AMX, reordered once into oneDNN's own blocked layout
+(`Projection.use_onednn`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
 
 # Projection.forward's main paths, numbered as the C++ decode loop's Path enum
 # (engine_svc/kernels/csrc/decode_layers.cpp) numbers them.
-ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH = 1, 2, 3, 4
+ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH, PAIRS_PATH = 1, 2, 3, 4, 5
 
 
 class Projection(nn.Module):
@@ -39,13 +41,16 @@ class Projection(nn.Module):
     `weight`, Hugging Face's [out, in], for loading (and kept where it is tied to the
     embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
     `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
-    packed_linear.cpp), set by `pack()`, or `weight_onednn`, oneDNN's opaque blocked layout,
-    set by `use_onednn()`; either replaces the others (but a `shared_weight`, tied to the
+    packed_linear.cpp), set by `pack()`, `weight_pairs`, pairs of k for AVX512-BF16's dot
+    products (kernels/csrc/bf16_pairs_linear.cpp), set by `use_bf16_pairs()`, or
+    `weight_onednn`, oneDNN's opaque blocked layout, set by `use_onednn()`; each replaces the
+    others (but a `shared_weight`, tied to the
     embeddings, stays). The model chooses a layout once, at load time."""
 
     weight_t: torch.Tensor | None
     weight_packed: torch.Tensor | None
     weight_onednn: torch.Tensor | None
+    weight_pairs: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -58,6 +63,7 @@ class Projection(nn.Module):
         self.register_buffer("weight_t", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
         self.register_buffer("weight_onednn", None, persistent=False)
+        self.register_buffer("weight_pairs", None, persistent=False)
 
     @classmethod
     def fused(cls, parts: list[Projection]) -> Projection:
@@ -81,6 +87,18 @@ class Projection(nn.Module):
         source = self._out_in_weight()
         block = packed_block_size(self.out_features)
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
+        self._drop_plain_weights()
+
+    def use_bf16_pairs(self) -> None:
+        """bfloat16 on AVX512-BF16 without AMX: the weight packed once in pairs of k, which
+        `bf16_pairs_linear` multiplies with vdpbf16ps at every row count, fetching each
+        panel's successor while it computes (oneDNN's kernel waited on each streaming panel).
+        Sums in float32 in k order, rounded once: F.linear's result but for about one output
+        in 20,000, one bfloat16 unit apart. A tied LM head gets a packed copy."""
+        if self.weight_pairs is not None:
+            return
+        source = self._out_in_weight().contiguous()
+        self.weight_pairs = torch.ops.duoserve.pack_bf16_pairs(source)
         self._drop_plain_weights()
 
     def use_onednn(self, keep_rows: bool = False) -> None:
@@ -126,6 +144,10 @@ class Projection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_gemv and x.dim() == 2 and x.shape[0] == 1:
             return torch.ops.duoserve.row_gemv(x, self.weight, self.bias)
+        if self.weight_pairs is not None:
+            return torch.ops.duoserve.bf16_pairs_linear(
+                x, self.weight_pairs, self.out_features, self.bias
+            )
         if self.weight_onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.weight_onednn, self.bias, "none", [], ""
@@ -143,7 +165,9 @@ class Projection(nn.Module):
         (the one-row GEMV's weight or None, the main path's weight, the bias or None),
         (the main path, out_features). Kept beside forward: the two choose alike."""
         row_weight = self.weight if self.row_gemv else None
-        if self.weight_onednn is not None:
+        if self.weight_pairs is not None:
+            path, weight = PAIRS_PATH, self.weight_pairs
+        elif self.weight_onednn is not None:
             path, weight = ONEDNN_PATH, self.weight_onednn
         elif self.weight_packed is not None:
             path, weight = PACKED_PATH, self.weight_packed

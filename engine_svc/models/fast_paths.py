@@ -4,11 +4,13 @@ and torch's oneDNN serve for the dtype (engine_svc/kernels)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine_svc.kernels import (
+    bf16_pairs_available,
     one_row_copy_available,
     onednn_linear_available,
     packed_linear_available,
@@ -48,25 +50,32 @@ def use_fused_ops(
 ) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
-    (bfloat16 where torch's matmul is oneDNN's: prepacked in oneDNN's layout on AMX or
-    AVX512-BF16, single rows through the row GEMV on a copy of the weights where it fits
-    one_row_copy_limit(budget_bytes); elsewhere a single row through the row GEMV, more rows
-    through torch). `decode_loop`: decode steps run the layers in one C++ call where it
-    describes them (models/decode_layers.py)."""
+    (bfloat16 on AVX512-BF16 without AMX: packed in pairs of k for its dot products, every
+    row count, where in_features is even; where torch's matmul is oneDNN's otherwise (AMX,
+    or an odd in_features): prepacked in oneDNN's layout, single rows through the row GEMV
+    on a copy of the weights where it fits one_row_copy_limit(budget_bytes); elsewhere a
+    single row through the row GEMV, more rows through torch). `decode_loop`: decode steps
+    run the layers in one C++ call where it describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
     onednn = enabled and onednn_linear_available(dtype)
     row_gemv = enabled and row_gemv_available(dtype)
-    copy_bytes = projection_bytes(model, dtype)
+    pairs = enabled and bf16_pairs_available(dtype)
+
+    def takes_pairs(projection: Projection) -> bool:
+        return pairs and projection.in_features % 2 == 0
+
+    copy_bytes = projection_bytes(model, dtype, skip=takes_pairs)
     limit = one_row_copy_limit(budget_bytes, tensor_bytes(model))
-    keep_rows = enabled and one_row_copy_available(dtype) and copy_bytes <= limit
+    # Projections on oneDNN's layout that a copy would serve (none where all take pairs).
+    keep_rows = enabled and one_row_copy_available(dtype) and 0 < copy_bytes <= limit
     if keep_rows:
         logger.info(
             "one-row steps through the row GEMV, on a second copy of the projection "
             "weights (%.2f GiB) beside oneDNN's prepacked one",
             copy_bytes / (1 << 30),
         )
-    elif enabled and one_row_copy_available(dtype):
+    elif enabled and one_row_copy_available(dtype) and copy_bytes > 0:
         logger.info(
             "no second copy of the projection weights for one-row steps: its %.2f GiB is "
             "over %.2f GiB (a quarter of the memory budget's room past the weights, at most "
@@ -77,6 +86,8 @@ def use_fused_ops(
     for module in model.modules():
         if isinstance(module, Projection) and packed:
             module.pack()
+        elif isinstance(module, Projection) and takes_pairs(module):
+            module.use_bf16_pairs()
         elif isinstance(module, Projection) and onednn:
             module.use_onednn(keep_rows)
         elif isinstance(module, Projection) and row_gemv:
@@ -100,11 +111,15 @@ def tensor_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def projection_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+def projection_bytes(
+    model: nn.Module,
+    dtype: torch.dtype,
+    skip: Callable[[Projection], bool] = lambda _: False,
+) -> int:
     """What a model's projection weights take in `dtype`, an LM head tied to the embeddings
-    excluded."""
+    and the projections `skip` names excluded."""
     return sum(
         module.in_features * module.out_features * dtype.itemsize
         for module in model.modules()
-        if isinstance(module, Projection) and not module.shared_weight
+        if isinstance(module, Projection) and not module.shared_weight and not skip(module)
     )

@@ -159,6 +159,7 @@ def test_the_memory_ceiling_is_the_fastest_stream_the_process_has(
     before (the copy's bytes count twice: read and written), and each stream really runs."""
     from engine_svc.bench import ceiling
     from engine_svc.kernels.loader import (
+        bf16_pairs_available,
         one_row_copy_available,
         packed_linear_available,
         row_gemv_available,
@@ -169,6 +170,8 @@ def test_the_memory_ceiling_is_the_fastest_stream_the_process_has(
     name, rate = ceiling.measure_memory_bandwidth(dtype, num_bytes=1 << 20)
     if packed_linear_available(dtype):
         assert (name, rate) == ("packed", 8 << 20)
+    elif bf16_pairs_available(dtype):
+        assert (name, rate) == ("pairs", 8 << 20)
     elif row_gemv_available(dtype) or one_row_copy_available(dtype):
         assert (name, rate) == ("row_gemv", 8 << 20)
     else:

@@ -19,6 +19,7 @@ import torch
 
 from engine_svc import LLM, SamplingParams
 from engine_svc.kernels import (
+    bf16_pairs_available,
     one_row_copy_available,
     onednn_linear_available,
     packed_linear_available,
@@ -56,12 +57,17 @@ def test_bfloat16_greedy_tokens_are_hf_bfloat16_argmax_or_a_near_tie(
         == kernels_serve_bf16
         for p in packed
     )
-    # Where oneDNN multiplies bfloat16: its prepacked layout on AMX, else the row GEMV; on
-    # AMX a model this small keeps its [out, in] weights too, for the row GEMV.
-    onednn = cpu_kernels and onednn_linear_available(torch.bfloat16)
+    # AVX512-BF16 without AMX: pairs of k for its dot products. Where oneDNN multiplies
+    # bfloat16 otherwise: its prepacked layout on AMX, else the row GEMV; on AMX a model
+    # this small keeps its [out, in] weights too, for the row GEMV.
+    pairs = cpu_kernels and bf16_pairs_available(torch.bfloat16)
+    assert all((p.weight_pairs is not None) == pairs for p in packed)
+    onednn = cpu_kernels and not pairs and onednn_linear_available(torch.bfloat16)
     assert all((p.weight_onednn is not None) == onednn for p in packed)
-    row_gemv = cpu_kernels and (
-        row_gemv_available(torch.bfloat16) or one_row_copy_available(torch.bfloat16)
+    row_gemv = (
+        cpu_kernels
+        and not pairs
+        and (row_gemv_available(torch.bfloat16) or one_row_copy_available(torch.bfloat16))
     )
     assert all(p.row_gemv == row_gemv for p in packed)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]

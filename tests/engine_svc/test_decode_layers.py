@@ -16,12 +16,17 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
-from engine_svc.kernels import cpu_kernels_available, onednn_linear_available
+from engine_svc.kernels import (
+    bf16_pairs_available,
+    cpu_kernels_available,
+    onednn_linear_available,
+)
 from engine_svc.layers.linear import (
     LINEAR_PATH,
     MATMUL_PATH,
     ONEDNN_PATH,
     PACKED_PATH,
+    PAIRS_PATH,
     Projection,
 )
 from engine_svc.models import fast_paths
@@ -172,6 +177,7 @@ PATHS = {
         False,
     ),
     "onednn": (torch.bfloat16, {"onednn_linear_available"}, ONEDNN_PATH, False),
+    "pairs": (torch.bfloat16, {"bf16_pairs_available"}, PAIRS_PATH, False),
     "onednn+row": (
         torch.bfloat16,
         {"onednn_linear_available", "one_row_copy_available"},
@@ -181,6 +187,7 @@ PATHS = {
 }
 AVAILABILITY = [
     "packed_linear_available",
+    "bf16_pairs_available",
     "onednn_linear_available",
     "row_gemv_available",
     "one_row_copy_available",
@@ -192,6 +199,8 @@ def test_each_projection_path(llm_of: Any, path: str, monkeypatch: pytest.Monkey
     dtype, available, expected, rows = PATHS[path]
     if "onednn_linear_available" in available and not onednn_linear_available(dtype):
         pytest.skip("oneDNN's prepacked bfloat16 layout needs AMX or AVX512-BF16")
+    if "bf16_pairs_available" in available and not bf16_pairs_available(dtype):
+        pytest.skip("the bfloat16 pairs kernel needs AVX512-BF16 and a build with it")
     for name in AVAILABILITY:
         monkeypatch.setattr(fast_paths, name, lambda _dtype, on=name in available: on)
     llm = llm_of("qwen2", str(dtype).removeprefix("torch."))  # q/k/v with a bias

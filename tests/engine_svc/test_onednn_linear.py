@@ -134,6 +134,8 @@ def test_a_model_keeps_its_rows_only_within_the_limit(
     from engine_svc.models import fast_paths
 
     monkeypatch.setattr(fast_paths, "ONE_ROW_COPY_MAX_BYTES", limit)
+    # As on AMX, where oneDNN's layout stays (elsewhere the pairs kernel takes them all).
+    monkeypatch.setattr(fast_paths, "bf16_pairs_available", lambda _dtype: False)
     llm = LLM(str(tiny_model_dir), dtype="bfloat16")
     try:
         model = llm.engine_core.executor.runner.model
@@ -156,10 +158,15 @@ def test_the_copy_takes_at_most_a_quarter_of_the_room_past_the_weights() -> None
 
 
 @needs_one_row_copy
-def test_a_tight_memory_budget_leaves_the_kv_cache_the_copy_s_room(tiny_model_dir: Path) -> None:
+def test_a_tight_memory_budget_leaves_the_kv_cache_the_copy_s_room(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The runner's budget decides: with room past the weights four times the copy the
     weights are kept twice, 8 bytes less and they are not; no budget, no limit but 1 GiB."""
+    from engine_svc.models import fast_paths
     from engine_svc.models.fast_paths import projection_bytes, tensor_bytes
+
+    monkeypatch.setattr(fast_paths, "bf16_pairs_available", lambda _dtype: False)  # as on AMX
     from engine_svc.models.loader import load_model
     from engine_svc.models.model_spec import load_model_spec
     from engine_svc.worker.model_runner import ModelRunner

@@ -42,6 +42,7 @@ enum Path : int64_t {
   kPacked = 2,   // packed column blocks (duoserve::packed_linear)
   kMatmul = 3,   // [in, out]: x @ w, or addmm with a bias
   kLinear = 4,   // [out, in]: F.linear
+  kPairs = 5,    // pairs of k for AVX512-BF16 (duoserve::bf16_pairs_linear)
 };
 
 // The operators, looked up once: the dispatcher's typed handles.
@@ -76,6 +77,11 @@ struct Ops {
                                       const std::optional<at::Tensor>&)>
       packed_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
                                     const std::optional<at::Tensor>&)>("duoserve::packed_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                      const std::optional<at::Tensor>&)>
+      bf16_pairs_linear =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                        const std::optional<at::Tensor>&)>("duoserve::bf16_pairs_linear");
 };
 
 const Ops& ops() {
@@ -120,6 +126,8 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
       return onednn_linear(x, weight, bias);
     case kPacked:
       return ops().packed_linear.call(x, weight, out_features, bias);
+    case kPairs:
+      return ops().bf16_pairs_linear.call(x, weight, out_features, bias);
     case kMatmul:
       return bias.has_value() ? at::addmm(*bias, x, weight) : at::matmul(x, weight);
     case kLinear:

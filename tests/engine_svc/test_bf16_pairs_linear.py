@@ -1,0 +1,121 @@
+"""bfloat16 projections over weights packed in pairs of k (engine_svc/kernels/csrc/
+bf16_pairs_linear.cpp), on AVX512-BF16: float32 sums rounded once, so each output is the
+float64 product's bfloat16 rounding or a unit beside it, and nearly all of them are
+F.linear's (oneDNN's) bit for bit; and the engine takes the path exactly where the CPU has
+those dot products without AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_svc.kernels import bf16_pairs_available, cpu_kernels_available
+from engine_svc.kernels.loader import _cpu_flags, loaded_build
+from engine_svc.layers.linear import PAIRS_PATH, Projection
+
+needs_pairs = pytest.mark.skipif(
+    not bf16_pairs_available(torch.bfloat16),
+    reason="the pairs kernel needs AVX512-BF16 without AMX and a build with its dot products",
+)
+
+
+def _operands(
+    rows: int, out_features: int, in_features: int, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) / 8).bfloat16()
+    bias_value = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    return x, weight, bias_value
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 130])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (70, 334)])
+@torch.inference_mode()
+def test_outputs_are_the_rounded_float32_sums(
+    rows: int, bias: bool, out_features: int, in_features: int
+) -> None:
+    x, weight, bias_value = _operands(rows, out_features, in_features, bias)
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    got = torch.ops.duoserve.bf16_pairs_linear(x, packed, out_features, bias_value)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    exact = x.double() @ weight.double().T
+    if bias_value is not None:
+        exact = exact + bias_value.double()
+    rounded = exact.bfloat16()
+    # Within the final rounding (half a unit: 2^-8 relative) and the float32 sums' error
+    # (at most in_features units of 2^-24 of the summed magnitudes).
+    magnitudes = x.double().abs() @ weight.double().abs().T
+    bound = exact.abs() * 2**-8 + magnitudes * in_features * 2**-24
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert (got == rounded).double().mean().item() > 0.99
+    # oneDNN sums in another order now and then: nearly every output is its bit for bit.
+    assert (got == F.linear(x, weight, bias_value)).double().mean().item() > 0.999
+    # Rows of a wider buffer (a strided view) read as the same values.
+    wide = torch.zeros(rows, in_features * 2, dtype=torch.bfloat16)
+    wide[:, :in_features] = x
+    strided = torch.ops.duoserve.bf16_pairs_linear(
+        wide[:, :in_features], packed, out_features, bias_value
+    )
+    assert torch.equal(strided, got)
+
+
+@needs_pairs
+@torch.inference_mode()
+def test_bad_operands_are_refused() -> None:
+    x, weight, _ = _operands(3, 40, 64, bias=False)
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        torch.ops.duoserve.pack_bf16_pairs(torch.zeros(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.duoserve.bf16_pairs_linear(x[:, :62], packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.duoserve.bf16_pairs_linear(x, packed, 80, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.duoserve.bf16_pairs_linear(x.float(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.duoserve.bf16_pairs_linear(x, packed, 40, torch.zeros(39, dtype=torch.bfloat16))
+    empty = torch.ops.duoserve.bf16_pairs_linear(x[:0], packed, 40, None)
+    assert empty.shape == (0, 40)
+
+
+@needs_pairs
+@torch.inference_mode()
+def test_a_projection_packs_once_and_keeps_a_tied_weight() -> None:
+    x, weight, bias_value = _operands(7, 96, 64, bias=True)
+    projection = Projection(64, 96, bias=True).bfloat16()
+    projection.weight.data.copy_(weight)
+    assert projection.bias is not None
+    projection.bias.data.copy_(bias_value)
+    projection.transpose()  # as the model stores it after loading
+    projection.use_bf16_pairs()
+    assert projection.weight_pairs is not None and projection.weight_t is None
+    assert not hasattr(projection, "weight")
+    assert projection.kernel_args()[1] == [PAIRS_PATH, 96]
+    expected = torch.ops.duoserve.bf16_pairs_linear(
+        x, torch.ops.duoserve.pack_bf16_pairs(weight), 96, bias_value
+    )
+    assert torch.equal(projection(x), expected)
+
+    tied = Projection(64, 96, bias=False).bfloat16()
+    tied.weight.data.copy_(weight)
+    tied.shared_weight = True
+    tied.use_bf16_pairs()
+    assert torch.equal(tied.weight, weight)  # the embeddings stay
+    assert (tied(x) == F.linear(x, weight)).double().mean().item() > 0.99
+
+
+def test_the_path_is_taken_where_the_cpu_has_bf16_dot_products_without_amx() -> None:
+    build = loaded_build() if cpu_kernels_available() else None
+    expected = (
+        build is not None
+        and build.fast
+        and build.bf16_dot_products
+        and "avx512_bf16" in _cpu_flags()
+        and not torch.cpu._is_amx_tile_supported()
+    )
+    assert bf16_pairs_available(torch.bfloat16) == expected
+    assert not bf16_pairs_available(torch.float32)
