@@ -35,6 +35,13 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
 # (engine_svc/kernels/csrc/decode_layers.cpp) numbers them.
 ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH, PAIRS_PATH = 1, 2, 3, 4, 5
 
+# A projection holding both bfloat16 layouts sends steps of at most this many rows through
+# the pairs kernel and more (prompt steps) through oneDNN's prepacked weights. On the Zen 5,
+# with the weights streaming: the pairs kernel 19.4 ms at 64 rows for SmolLM2-135M's
+# projections against oneDNN's 23.9, 73.7 at 256 against 75-77; in the engine, a batch's
+# 2,048-token prompt steps ran 15% slower on pairs alone (2.83-3.02 s against 2.36-2.63).
+PAIRS_MAX_ROWS = 256
+
 
 class Projection(nn.Module):
     """A linear layer without nn.Linear's init cost, in one of three weight layouts:
@@ -89,16 +96,21 @@ class Projection(nn.Module):
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
         self._drop_plain_weights()
 
-    def use_bf16_pairs(self) -> None:
+    def use_bf16_pairs(self, onednn_copy: bool = False) -> None:
         """bfloat16 on AVX512-BF16 without AMX: the weight packed once in pairs of k, which
-        `bf16_pairs_linear` multiplies with vdpbf16ps at every row count, fetching each
-        panel's successor while it computes (oneDNN's kernel waited on each streaming panel).
-        Sums in float32 in k order, rounded once: F.linear's result but for about one output
-        in 20,000, one bfloat16 unit apart. A tied LM head gets a packed copy."""
+        `bf16_pairs_linear` multiplies with vdpbf16ps, fetching each panel's successor while
+        it computes (oneDNN's kernel waited on each streaming panel). Sums in float32 in k
+        order, rounded once: F.linear's result but for about one output in 20,000, one
+        bfloat16 unit apart. A tied LM head gets a packed copy.
+
+        `onednn_copy`: oneDNN's prepacked layout is kept too, for steps of more than
+        PAIRS_MAX_ROWS rows (prompts), where oneDNN's kernel is the faster."""
         if self.weight_pairs is not None:
             return
         source = self._out_in_weight().contiguous()
         self.weight_pairs = torch.ops.duoserve.pack_bf16_pairs(source)
+        if onednn_copy:
+            self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source)
         self._drop_plain_weights()
 
     def use_onednn(self, keep_rows: bool = False) -> None:
@@ -144,7 +156,9 @@ class Projection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_gemv and x.dim() == 2 and x.shape[0] == 1:
             return torch.ops.duoserve.row_gemv(x, self.weight, self.bias)
-        if self.weight_pairs is not None:
+        if self.weight_pairs is not None and (
+            self.weight_onednn is None or x.shape[0] <= PAIRS_MAX_ROWS
+        ):
             return torch.ops.duoserve.bf16_pairs_linear(
                 x, self.weight_pairs, self.out_features, self.bias
             )
@@ -161,7 +175,8 @@ class Projection(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def kernel_args(self) -> tuple[list[torch.Tensor | None], list[int]]:
-        """`forward`'s choice, for C++ code that runs it (decode_layers.cpp's `project`):
+        """`forward`'s choice, for C++ code that runs it (decode_layers.cpp's `project`;
+        decode steps, so the pairs layout where there is one):
         (the one-row GEMV's weight or None, the main path's weight, the bias or None),
         (the main path, out_features). Kept beside forward: the two choose alike."""
         row_weight = self.weight if self.row_gemv else None

@@ -50,11 +50,12 @@ def use_fused_ops(
 ) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
-    (bfloat16 on AVX512-BF16 without AMX: packed in pairs of k for its dot products, every
-    row count, where in_features is even; where torch's matmul is oneDNN's otherwise (AMX,
-    or an odd in_features): prepacked in oneDNN's layout, single rows through the row GEMV
-    on a copy of the weights where it fits one_row_copy_limit(budget_bytes); elsewhere a
-    single row through the row GEMV, more rows through torch). `decode_loop`: decode steps
+    (bfloat16 on AVX512-BF16 without AMX: packed in pairs of k for its dot products where
+    in_features is even, prompt steps on a copy in oneDNN's prepacked layout where it fits
+    one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (AMX, or an
+    odd in_features): prepacked in oneDNN's layout, single rows through the row GEMV on a
+    copy of the weights where it fits that limit; elsewhere a single row through the row
+    GEMV, more rows through torch). `decode_loop`: decode steps
     run the layers in one C++ call where it describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
@@ -65,21 +66,30 @@ def use_fused_ops(
     def takes_pairs(projection: Projection) -> bool:
         return pairs and projection.in_features % 2 == 0
 
-    copy_bytes = projection_bytes(model, dtype, skip=takes_pairs)
+    # A second copy of the projection weights where it fits the limit: with the pairs
+    # kernel, oneDNN's prepacked layout for prompt steps; on oneDNN's layout otherwise, the
+    # [out, in] rows for one-row steps' GEMV.
     limit = one_row_copy_limit(budget_bytes, tensor_bytes(model))
-    # Projections on oneDNN's layout that a copy would serve (none where all take pairs).
-    keep_rows = enabled and one_row_copy_available(dtype) and 0 < copy_bytes <= limit
-    if keep_rows:
+    if pairs:
+        copy_bytes = projection_bytes(model, dtype, skip=lambda p: not takes_pairs(p))
+        keep_copy = onednn and copy_bytes <= limit
+        steps, path = "prompt steps", "on oneDNN's prepacked layout"
+    else:
+        copy_bytes = projection_bytes(model, dtype)
+        keep_copy = enabled and one_row_copy_available(dtype) and copy_bytes <= limit
+        steps, path = "one-row steps", "through the row GEMV"
+    if keep_copy:
         logger.info(
-            "one-row steps through the row GEMV, on a second copy of the projection "
-            "weights (%.2f GiB) beside oneDNN's prepacked one",
+            "%s %s, on a second copy of the projection weights (%.2f GiB)",
+            steps,
+            path,
             copy_bytes / (1 << 30),
         )
-    elif enabled and one_row_copy_available(dtype) and copy_bytes > 0:
+    elif (pairs and onednn) or (enabled and one_row_copy_available(dtype)):
         logger.info(
-            "no second copy of the projection weights for one-row steps: its %.2f GiB is "
-            "over %.2f GiB (a quarter of the memory budget's room past the weights, at most "
-            "1 GiB)",
+            "no second copy of the projection weights for %s: its %.2f GiB is over %.2f GiB "
+            "(a quarter of the memory budget's room past the weights, at most 1 GiB)",
+            steps,
             copy_bytes / (1 << 30),
             limit / (1 << 30),
         )
@@ -87,9 +97,9 @@ def use_fused_ops(
         if isinstance(module, Projection) and packed:
             module.pack()
         elif isinstance(module, Projection) and takes_pairs(module):
-            module.use_bf16_pairs()
+            module.use_bf16_pairs(onednn_copy=keep_copy)
         elif isinstance(module, Projection) and onednn:
-            module.use_onednn(keep_rows)
+            module.use_onednn(keep_rows=keep_copy and not pairs)
         elif isinstance(module, Projection) and row_gemv:
             module.use_row_gemv()
         elif isinstance(module, RMSNorm):

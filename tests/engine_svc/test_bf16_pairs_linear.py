@@ -6,13 +6,15 @@ those dot products without AMX."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine_svc.kernels import bf16_pairs_available, cpu_kernels_available
 from engine_svc.kernels.loader import _cpu_flags, loaded_build
-from engine_svc.layers.linear import PAIRS_PATH, Projection
+from engine_svc.layers.linear import PAIRS_MAX_ROWS, PAIRS_PATH, Projection
 
 needs_pairs = pytest.mark.skipif(
     not bf16_pairs_available(torch.bfloat16),
@@ -119,3 +121,45 @@ def test_the_path_is_taken_where_the_cpu_has_bf16_dot_products_without_amx() -> 
     )
     assert bf16_pairs_available(torch.bfloat16) == expected
     assert not bf16_pairs_available(torch.float32)
+
+
+@needs_pairs
+@torch.inference_mode()
+def test_with_onednn_s_copy_prompts_take_onednn_and_decode_rows_the_pairs() -> None:
+    x, weight, bias_value = _operands(PAIRS_MAX_ROWS + 44, 96, 64, bias=True)
+    projection = Projection(64, 96, bias=True).bfloat16()
+    projection.weight.data.copy_(weight)
+    assert projection.bias is not None
+    projection.bias.data.copy_(bias_value)
+    projection.transpose()
+    projection.use_bf16_pairs(onednn_copy=True)
+    assert projection.weight_pairs is not None and projection.weight_onednn is not None
+    assert projection.kernel_args()[1] == [PAIRS_PATH, 96]  # the decode loop's
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    decode = x[:PAIRS_MAX_ROWS]
+    expected = torch.ops.duoserve.bf16_pairs_linear(decode, packed, 96, bias_value)
+    assert torch.equal(projection(decode), expected)
+    assert torch.equal(projection(x), F.linear(x, weight, bias_value))  # oneDNN's, bit for bit
+
+
+@needs_pairs
+@pytest.mark.parametrize("limit", [0, 1 << 30], ids=["over-the-limit", "within"])
+def test_a_model_keeps_onednn_s_copy_for_prompts_only_within_the_limit(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    from engine_svc import LLM, SamplingParams
+    from engine_svc.models import fast_paths
+
+    monkeypatch.setattr(fast_paths, "ONE_ROW_COPY_MAX_BYTES", limit)
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16")
+    try:
+        model = llm.engine_core.executor.runner.model
+        projections = [m for m in model.modules() if isinstance(m, Projection)]
+        assert all(p.weight_pairs is not None for p in projections)
+        assert all((p.weight_onednn is not None) == (limit > 0) for p in projections)
+        assert not any(p.row_gemv for p in projections)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        (output,) = llm.generate([list(range(3, 3 + PAIRS_MAX_ROWS + 20))], params)
+        assert len(output.token_ids) == 4
+    finally:
+        llm.shutdown()

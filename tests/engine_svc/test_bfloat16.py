@@ -57,12 +57,13 @@ def test_bfloat16_greedy_tokens_are_hf_bfloat16_argmax_or_a_near_tie(
         == kernels_serve_bf16
         for p in packed
     )
-    # AVX512-BF16 without AMX: pairs of k for its dot products. Where oneDNN multiplies
-    # bfloat16 otherwise: its prepacked layout on AMX, else the row GEMV; on AMX a model
-    # this small keeps its [out, in] weights too, for the row GEMV.
+    # AVX512-BF16 without AMX: pairs of k for its dot products, and a model this small keeps
+    # oneDNN's prepacked layout too, for prompts. Where oneDNN multiplies bfloat16
+    # otherwise: its prepacked layout on AMX, else the row GEMV; on AMX a model this small
+    # keeps its [out, in] weights too, for the row GEMV.
     pairs = cpu_kernels and bf16_pairs_available(torch.bfloat16)
     assert all((p.weight_pairs is not None) == pairs for p in packed)
-    onednn = cpu_kernels and not pairs and onednn_linear_available(torch.bfloat16)
+    onednn = cpu_kernels and onednn_linear_available(torch.bfloat16)
     assert all((p.weight_onednn is not None) == onednn for p in packed)
     row_gemv = (
         cpu_kernels
