@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 # bfloat16 on AMX or AVX512-BF16: models whose projection weights take at most this, and at
 # most this share of what the worker's memory budget leaves after the weights (the KV
-# cache's and the activations' room), keep a second, [out, in] copy of them for one-row steps
-# (Projection.use_onednn's keep_rows). Past either, the copy's memory goes to the KV cache.
+# cache's and the activations' room), keep a second copy of them: [out, in] for one-row
+# steps on AMX (Projection.use_onednn's keep_rows), oneDNN's prepacked layout for prompt
+# steps beside the pairs of k on AVX512-BF16 (Projection.use_bf16_pairs' onednn_copy).
+# Past either, the copy's memory goes to the KV cache.
 ONE_ROW_COPY_MAX_BYTES = 1 << 30
 ONE_ROW_COPY_ROOM_SHARE = 1 / 4
 
