@@ -237,8 +237,9 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
 
 def bf16_pairs_available(dtype: torch.dtype) -> bool:
     """Whether bfloat16 projections take `bf16_pairs_linear` (bf16_pairs_linear.cpp) over
-    weights packed in pairs of k, at every row count: on AVX512-BF16 without AMX, in a build
-    with its dot products. Measured on the Zen 5 (SmolLM2-135M's 120 decoder projections and
+    weights packed in pairs of k (prompt steps too, where no oneDNN copy is kept beside them:
+    Projection.use_bf16_pairs): on AVX512-BF16 without AMX, in a build with its dot
+    products. Measured on the Zen 5 (SmolLM2-135M's 120 decoder projections and
     LM head, weights streaming from memory): 64 rows 19.4 ms against oneDNN's prepacked 23.9,
     1 row 4.4-5.5 against 5.6-6.1 (and the row GEMV's 5.6), 256 rows 73.7 against 75-77; a
     2,048-row prefill projection 0.95-0.97x oneDNN's. Where the CPU has AMX, oneDNN's AMX

@@ -57,8 +57,8 @@ def use_fused_ops(
     one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (AMX, or an
     odd in_features): prepacked in oneDNN's layout, single rows through the row GEMV on a
     copy of the weights where it fits that limit; elsewhere a single row through the row
-    GEMV, more rows through torch). `decode_loop`: decode steps
-    run the layers in one C++ call where it describes them (models/decode_layers.py)."""
+    GEMV, more rows through torch). `decode_loop`: decode steps run the layers in one C++
+    call where it describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
     onednn = enabled and onednn_linear_available(dtype)
@@ -73,7 +73,7 @@ def use_fused_ops(
     # [out, in] rows for one-row steps' GEMV.
     limit = one_row_copy_limit(budget_bytes, tensor_bytes(model))
     if pairs:
-        copy_bytes = projection_bytes(model, dtype, skip=lambda p: not takes_pairs(p))
+        copy_bytes = projection_bytes(model, dtype, counted=takes_pairs)
         keep_copy = onednn and copy_bytes <= limit
         steps, path = "prompt steps", "on oneDNN's prepacked layout"
     else:
@@ -126,12 +126,12 @@ def tensor_bytes(model: nn.Module) -> int:
 def projection_bytes(
     model: nn.Module,
     dtype: torch.dtype,
-    skip: Callable[[Projection], bool] = lambda _: False,
+    counted: Callable[[Projection], bool] = lambda _: True,
 ) -> int:
-    """What a model's projection weights take in `dtype`, an LM head tied to the embeddings
-    and the projections `skip` names excluded."""
+    """What a model's projection weights take in `dtype`, of the projections `counted`
+    names, an LM head tied to the embeddings excluded."""
     return sum(
         module.in_features * module.out_features * dtype.itemsize
         for module in model.modules()
-        if isinstance(module, Projection) and not module.shared_weight and not skip(module)
+        if isinstance(module, Projection) and not module.shared_weight and counted(module)
     )

@@ -134,7 +134,7 @@ def test_a_model_keeps_its_rows_only_within_the_limit(
     from engine_svc.models import fast_paths
 
     monkeypatch.setattr(fast_paths, "ONE_ROW_COPY_MAX_BYTES", limit)
-    # As on AMX, where oneDNN's layout stays (elsewhere the pairs kernel takes them all).
+    # As on AMX, where oneDNN's layout stays (on AVX512-BF16 the pairs kernel takes them).
     monkeypatch.setattr(fast_paths, "bf16_pairs_available", lambda _dtype: False)
     llm = LLM(str(tiny_model_dir), dtype="bfloat16")
     try:
@@ -165,11 +165,11 @@ def test_a_tight_memory_budget_leaves_the_kv_cache_the_copy_s_room(
     weights are kept twice, 8 bytes less and they are not; no budget, no limit but 1 GiB."""
     from engine_svc.models import fast_paths
     from engine_svc.models.fast_paths import projection_bytes, tensor_bytes
-
-    monkeypatch.setattr(fast_paths, "bf16_pairs_available", lambda _dtype: False)  # as on AMX
     from engine_svc.models.loader import load_model
     from engine_svc.models.model_spec import load_model_spec
     from engine_svc.worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(fast_paths, "bf16_pairs_available", lambda _dtype: False)  # as on AMX
 
     spec = load_model_spec(str(tiny_model_dir))
     cpu = torch.device("cpu")
