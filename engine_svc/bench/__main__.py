@@ -2,7 +2,8 @@
 Hugging Face `generate` on the same prompts), `serve` (through the frontend's gRPC API) or
 `openai` (any OpenAI-compatible server's streaming completions) or `overhead` (serve with
 an engine that runs no model: the stack's own cost) or `prefix` (the time to first token of
-a prompt with a cached prefix, against none cached).
+a prompt with a cached prefix, against none cached) or `steps` (where an offline batch's time
+goes: prompt and decode steps, and a decode step's parts).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ MODES = {
     "openai": "engine_svc.bench.openai_api",
     "overhead": "engine_svc.bench.overhead",
     "prefix": "engine_svc.bench.prefix_ttft",
+    "steps": "engine_svc.bench.step_times",
 }
 
 

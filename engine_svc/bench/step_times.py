@@ -1,0 +1,170 @@
+"""Where a batch's time goes: the offline workload through our engine in this process, with
+timers around the model runner's calls, split into prompt steps and decode steps, and each
+decode step into the forward (the layers), the logits (the LM head), sampling and the rest
+of the runner (inputs, state). Timers, not the torch profiler: that one doubled the LM
+head's time on the Zen 5 and sees only the thread it started on.
+
+    python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2]
+
+A step counts as a decode step when every request it runs takes one token; a step with any
+prompt chunk in it is a prompt step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_svc.bench import machine
+from engine_svc.bench.alternating import make_workload
+from engine_svc.bench.load import DTYPES, vocab_size_of
+from engine_svc.core.sched.output import SchedulerOutput
+
+DECODE_PARTS = ("forward", "logits", "sampling")
+
+
+@dataclass
+class StepTimes:
+    """Seconds of one batch: wall clock, and the runner's steps by kind."""
+
+    batch_s: float = 0.0
+    prompt_steps: int = 0
+    prompt_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    # Seconds of the decode steps' parts (DECODE_PARTS), summed over those steps.
+    decode_parts_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(DECODE_PARTS, 0.0)
+    )
+
+    def describe(self) -> str:
+        per_step = 1e3 / max(self.decode_steps, 1)
+        parts = {name: seconds * per_step for name, seconds in self.decode_parts_s.items()}
+        rest = self.decode_s * per_step - sum(parts.values())
+        listed = ", ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
+        return (
+            f"batch {self.batch_s:.2f} s: {self.prompt_steps} prompt steps {self.prompt_s:.2f} s, "
+            f"{self.decode_steps} decode steps {self.decode_s:.2f} s "
+            f"({self.decode_s * per_step:.2f} ms each: {listed}, rest {rest:.2f}), "
+            f"outside the runner {self.batch_s - self.prompt_s - self.decode_s:.2f} s"
+        )
+
+
+def is_decode_step(scheduler_output: SchedulerOutput) -> bool:
+    return all(len(s.token_ids) == 1 for s in scheduler_output.scheduled)
+
+
+@contextlib.contextmanager
+def timed_runner(runner: Any, times: StepTimes) -> Iterator[None]:
+    """Timers around `runner`'s calls (a ModelRunner in this process) while the block runs;
+    the runner's own methods come back after."""
+    model = runner.model
+    in_decode = [False]
+
+    def timed(call: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                if in_decode[0]:
+                    times.decode_parts_s[part] += time.perf_counter() - began
+
+        return wrapper
+
+    execute_model = runner.execute_model
+    sample_tokens = runner.sample_tokens
+
+    def timed_execute(scheduler_output: SchedulerOutput) -> Any:
+        decode = is_decode_step(scheduler_output)
+        in_decode[0] = decode
+        began = time.perf_counter()
+        try:
+            return execute_model(scheduler_output)
+        finally:
+            seconds = time.perf_counter() - began
+            if scheduler_output.scheduled and decode:
+                times.decode_steps += 1
+                times.decode_s += seconds
+            elif scheduler_output.scheduled:
+                times.prompt_steps += 1
+                times.prompt_s += seconds
+
+    runner.execute_model = timed_execute
+    # Constrained requests sample in a second call; others inside execute_model.
+    runner.sample_tokens = timed(sample_tokens, "sampling")
+    model.forward = timed(model.forward, "forward")
+    model.compute_logits = timed(model.compute_logits, "logits")
+    try:
+        yield
+    finally:
+        for name in ("execute_model", "sample_tokens"):
+            delattr(runner, name)
+        for name in ("forward", "compute_logits"):
+            delattr(model, name)
+
+
+def measure(args: argparse.Namespace) -> list[StepTimes]:
+    """The workload's batch `args.rounds` times (after a warm-up), each cold: no prefix-cache
+    hits, as offline mode runs it."""
+    from engine_svc import LLM, SamplingParams
+
+    vocab_size = vocab_size_of(args.model)
+    assert vocab_size is not None, "the model directory is required"
+    workload = make_workload(args, vocab_size)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
+        llm.generate([workload.single_prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))
+        runner = llm.engine_core.executor.runner
+        rounds = []
+        for _ in range(args.rounds):
+            times = StepTimes()
+            llm.client.reset_prefix_cache()
+            with timed_runner(runner, times):
+                began = time.perf_counter()
+                llm.generate(workload.prompts, params)
+                times.batch_s = time.perf_counter() - began
+            rounds.append(times)
+        return rounds
+    finally:
+        llm.shutdown()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_svc.bench steps", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="batches timed, one line each")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--result-file", help="write the rounds as JSON here")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "output_len", "min_len", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_len < args.min_len:
+        parser.error("--max-len must be at least --min-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(machine.describe(DTYPES[args.dtype]), flush=True)
+    rounds = measure(args)
+    for index, times in enumerate(rounds, 1):
+        print(f"round {index}: {times.describe()}", flush=True)
+    if args.result_file:
+        with open(args.result_file, "w") as file:
+            json.dump([asdict(times) for times in rounds], file, indent=2)
