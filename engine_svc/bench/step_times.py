@@ -4,7 +4,7 @@ decode step into the forward (the layers), the logits (the LM head), sampling an
 of the runner (inputs, state). Timers, not the torch profiler: that one doubled the LM
 head's time on the Zen 5 and sees only the thread it started on.
 
-    python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2]
+    python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
 
 A step counts as a decode step when every request it runs takes one token; a step with any
 prompt chunk in it is a prompt step.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -150,7 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="batches timed, one line each")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
     parser.add_argument("--result-file", help="write the rounds as JSON here")
+    parser.add_argument(
+        "--isa",
+        choices=sorted(machine.ISA_CAPS),
+        help="hold torch, MKL, oneDNN and our kernels to this vector level (as offline mode)",
+    )
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     for name in ("num_prompts", "output_len", "min_len", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -161,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "steps", *args.argv])
     print(machine.describe(DTYPES[args.dtype]), flush=True)
     rounds = measure(args)
     for index, times in enumerate(rounds, 1):

@@ -1,7 +1,7 @@
 """`python -m engine_svc.bench steps` on the tiny model: the steps it counts follow from the
 workload (one prompt step, then one decode step per new token after the first), the parts
-it times lie within the steps, and the runner gets its own methods back. No figure is
-checked for speed."""
+it times lie within the steps, and the runner gets its own methods back. On a CPU with AVX2
+it runs held to AVX2 (`--isa avx2`). No figure is checked for speed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine_svc.bench import machine as bench_machine
 from engine_svc.bench.step_times import DECODE_PARTS, StepTimes, is_decode_step, timed_runner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,10 @@ def test_steps_mode_counts_the_workloads_steps_and_times_their_parts(
     command = [sys.executable, "-m", "engine_svc.bench", "steps", "--model", str(tiny_model_dir)]
     command += ["--num-prompts", "3", "--min-len", "4", "--max-len", "12", "--rounds", "2"]
     command += ["--output-len", str(output_len), "--result-file", str(result)]
+    # On a CPU with AVX2, held to it (`--isa avx2`), as offline mode's test runs.
+    capped = "avx2" in bench_machine.cpu_flags()
+    if capped:
+        command += ["--isa", "avx2"]
     done = subprocess.run(
         command,
         cwd=REPO_ROOT,
@@ -68,6 +73,8 @@ def test_steps_mode_counts_the_workloads_steps_and_times_their_parts(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "machine:" in done.stdout and "round 2: batch" in done.stdout
+    if capped:
+        assert "(capped: avx2)" in done.stdout and "x86-64-v3 build" in done.stdout
     rounds = json.loads(result.read_text())
     assert len(rounds) == 2
     for times in rounds:
