@@ -3,13 +3,15 @@
 // of the key panel: 64 floats on AVX-512, 16 on AVX2 and NEON).
 //
 // torch's SDPA took one call per chunk per layer, and its flash kernel is slow at prompt
-// sizes (16 chunks of 64-192 tokens: 8-9.5 ms per layer). Here a task is (chunk, KV head,
-// 64 query rows), handed out longest first. It lays the chunk's keys out as panels of
-// transposed keys and its values as contiguous [keys x panel] panels, then for each query
-// head of the KV head runs two small GEMMs through the register-tile kernel (gemm_tile.h):
+// sizes (16 chunks of 64-192 tokens: 8-9.5 ms per layer). Here every chunk's keys are laid
+// out once, as panels of transposed keys, and its values as contiguous [keys x panel] panels
+// (lay_out_chunks); then a task is (chunk, KV head, 64 query rows), handed out longest
+// first, and for each query head of the KV head runs two small GEMMs through the
+// register-tile kernel (gemm_tile.h):
 // S = Q K^T, a causal softmax per row (scaled, max-subtracted, normalized), and O = P V.
 // With a sliding window (window > 0), query i attends to keys (i - window, i] only: a task
-// lays out the keys from its first row's window on, and masks the rest row by row.
+// reads the keys from the panel holding its first row's window start, and masks the rest row
+// by row.
 
 #include "vec.h"
 
@@ -18,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <limits>
 #include <type_traits>
@@ -85,10 +88,91 @@ void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t firs
 inline float widened(float x) { return x; }
 inline float widened(at::BFloat16 x) { return static_cast<float>(x); }
 
+// Every chunk's keys and values laid out once a call, for all the tasks that read them
+// (before, each 64-row task laid out all the keys up to its rows again: 16 times the work
+// for a 2,048-token prompt, 17% of its attention time). Per (chunk, KV head): the keys as
+// panels of transposed keys, [key panel][dim][kPanel keys], and the values as [dim panel]
+// [key][kPanel], for the chunk's length rounded up to whole panels (zeros past it).
+struct ChunkLayouts {
+  std::vector<int64_t> offset;  // chunk c's first float in each of the two layouts
+  std::vector<int64_t> width;   // chunk c's keys rounded up to whole panels
+  float* keys_t = nullptr;
+  float* values = nullptr;
+  int64_t dim = 0;
+
+  float* keys_of(int64_t c, int64_t h) const { return keys_t + offset[c] + h * width[c] * dim; }
+  float* values_of(int64_t c, int64_t h) const { return values + offset[c] + h * width[c] * dim; }
+};
+
+// Room for the layouts, kept by the calling thread from call to call: a fresh allocation a
+// call was handed back to the kernel by malloc and faulted in again (~870 page faults, half
+// the time of a step's call for 15 short chunks).
+std::vector<float>& layout_room(int64_t floats) {
+  thread_local std::vector<float> room;
+  if (static_cast<int64_t>(room.size()) < floats) room.resize(floats);
+  return room;
+}
+
+template <typename T>
+ChunkLayouts lay_out_chunks(const at::Tensor& k, const at::Tensor& v, const int32_t* start_ptr,
+                            const int32_t* len_ptr, int64_t num_chunks) {
+  ChunkLayouts layouts;
+  layouts.dim = k.size(2);
+  const int64_t kv_heads = k.size(1), dim = layouts.dim;
+  int64_t total = 0;
+  std::vector<std::array<int64_t, 2>> units;  // (chunk, key panel), each for every KV head
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t width = (len_ptr[c] + kPanel - 1) / kPanel * kPanel;
+    layouts.offset.push_back(total);
+    layouts.width.push_back(width);
+    total += kv_heads * width * dim;
+    for (int64_t panel = 0; panel < width / kPanel; ++panel) units.push_back({c, panel});
+  }
+  std::vector<float>& room = layout_room(2 * total);
+  layouts.keys_t = room.data();
+  layouts.values = room.data() + total;
+  const T* k_ptr = k.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  const int64_t dim_panels = dim / kPanel;
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const auto [c, panel] = units[u];
+      const int64_t width = layouts.width[c];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* keys_t = layouts.keys_of(c, h) + panel * dim * kPanel;
+        float* values = layouts.values_of(c, h);
+        for (int64_t lane = 0; lane < kPanel; ++lane) {
+          const int64_t key = panel * kPanel + lane;
+          if (key >= len_ptr[c]) {  // padding: zeros, so padded products are 0
+            for (int64_t d = 0; d < dim; ++d) keys_t[d * kPanel + lane] = 0.0f;
+            for (int64_t p = 0; p < dim_panels; ++p) {
+              std::fill_n(values + (p * width + key) * kPanel, kPanel, 0.0f);
+            }
+            continue;
+          }
+          const int64_t token = start_ptr[c] + key;
+          const T* k_row = k_ptr + token * k.stride(0) + h * k.stride(1);
+          const T* v_row = v_ptr + token * v.stride(0) + h * v.stride(1);
+          for (int64_t d = 0; d < dim; ++d) keys_t[d * kPanel + lane] = widened(k_row[d]);
+          for (int64_t p = 0; p < dim_panels; ++p) {
+            float* dst = values + (p * width + key) * kPanel;
+            if constexpr (std::is_same_v<T, float>) {
+              std::copy_n(v_row + p * kPanel, kPanel, dst);
+            } else {
+              widen_bf16(v_row + p * kPanel, dst, kPanel);
+            }
+          }
+        }
+      }
+    }
+  });
+  return layouts;
+}
+
 // out, q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (strided views, such
 // as the fused qkv projection's); chunk i is tokens [starts[i], starts[i] + lens[i]). T is
-// float or at::BFloat16: bfloat16 is widened as the task lays out its keys, values and query
-// rows and the math runs in float32, with P rounded to bfloat16 as torch's flash attention
+// float or at::BFloat16: bfloat16 is widened as the keys, values and query rows are laid
+// out and the math runs in float32, with P rounded to bfloat16 as torch's flash attention
 // rounds it (causal_softmax) and each output row rounded once at the end.
 template <typename T>
 void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -96,6 +180,7 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
                    int64_t max_len, double scale, int64_t window) {
   constexpr bool kWiden = !std::is_same_v<T, float>;
   const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  const ChunkLayouts layouts = lay_out_chunks<T>(k, v, start_ptr, len_ptr, num_chunks);
   std::vector<Task> tasks;
   for (int64_t c = 0; c < num_chunks; ++c) {
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -112,12 +197,8 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
   const int64_t dim_panels = dim / kPanel;
   std::atomic<int64_t> next_task{0};
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k.data_ptr<T>();
-  const T* v_ptr = v.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> keys_t(max_keys * dim);  // [key panel][dim][kPanel keys]
-    std::vector<float> values(dim_panels * max_keys * kPanel);  // [dim panel][key][kPanel]
     std::vector<float> scores(kTaskRows * max_keys);  // [query row][key]
     // bfloat16: one query head's rows of the task, widened, and their float32 results.
     std::vector<float> query(kWiden ? kTaskRows * dim : 0);
@@ -128,23 +209,17 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
       const Task& task = tasks[index];
       const int64_t start = start_ptr[task.chunk];
       const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
-      // Keys [first_key, first_row + rows): causal, no query here sees further; windowed,
-      // none sees further back than the first row's window.
-      const int64_t first_key =
-          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) : 0;
+      // Keys [first_key, first_row + rows), whole panels of them: causal, no query here sees
+      // further; windowed, none sees further back than the first row's window (the keys
+      // before it in the first panel are masked by causal_softmax, their products 0).
+      const int64_t first_panel =
+          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) / kPanel : 0;
+      const int64_t first_key = first_panel * kPanel;
       const int64_t keys = task.first_row + rows - first_key;
       const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
-      for (int64_t key = 0; key < width; ++key) {
-        const int64_t panel = key / kPanel, lane = key % kPanel;
-        const int64_t token = start + first_key + std::min(key, keys - 1);  // padding: any row
-        const T* k_row = k_ptr + token * k.stride(0) + task.kv_head * k.stride(1);
-        const T* v_row = v_ptr + token * v.stride(0) + task.kv_head * v.stride(1);
-        for (int64_t d = 0; d < dim; ++d) {
-          keys_t[(panel * dim + d) * kPanel + lane] = key < keys ? widened(k_row[d]) : 0.0f;
-          values[((d / kPanel) * width + key) * kPanel + d % kPanel] =
-              key < keys ? widened(v_row[d]) : 0.0f;
-        }
-      }
+      const int64_t chunk_width = layouts.width[task.chunk];
+      const float* keys_t = layouts.keys_of(task.chunk, task.kv_head) + first_key * dim;
+      const float* values = layouts.values_of(task.chunk, task.kv_head) + first_key * kPanel;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = task.kv_head * group + g;
         const T* q_rows = q_ptr + (start + task.first_row) * q.stride(0) + head * q.stride(1);
@@ -161,7 +236,7 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
           a = q_rows, lda = q.stride(0), c = out_rows, ldc = out.stride(0);
         }
         for (int64_t panel = 0; panel < width / kPanel; ++panel) {
-          panel_rows<kAttentionVectors>(a, lda, rows, keys_t.data() + panel * dim * kPanel, dim,
+          panel_rows<kAttentionVectors>(a, lda, rows, keys_t + panel * dim * kPanel, dim,
                                         nullptr, scores.data() + panel * kPanel, width, kPanel,
                                         nullptr);
         }
@@ -169,7 +244,7 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
                        static_cast<float>(scale), kWiden ? inv_sums : nullptr);
         for (int64_t panel = 0; panel < dim_panels; ++panel) {
           panel_rows<kAttentionVectors>(scores.data(), width, rows,
-                                        values.data() + panel * width * kPanel, width, nullptr,
+                                        values + panel * chunk_width * kPanel, width, nullptr,
                                         c + panel * kPanel, ldc, kPanel, nullptr);
         }
         if constexpr (kWiden) {  // normalized, then rounded to nearest even as torch rounds
