@@ -61,7 +61,11 @@ def test_generate_stream_with_json(frontend: FrontendProcess) -> None:
     method = "frontend.v1.GenerationService/GenerateStream"
     responses = grpcurl(frontend.address, method, data=request)
     choices = [choice for response in responses for choice in response.get("choices", [])]
-    assert len(responses) >= 2
+    # How many messages carry the 8 tokens depends on timing (the frontend merges outputs
+    # that queued while the stream was busy: one message when the engine is quicker), so it
+    # is not checked; usage comes once, last.
+    has_usage = ["usage" in response for response in responses]
+    assert has_usage == [False] * (len(responses) - 1) + [True]
     assert choices[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
     assert responses[-1]["usage"]["completion_tokens"] == 8
     streamed = "".join(choice.get("text", "") for choice in choices)
