@@ -138,7 +138,10 @@ def test_bench_serve_sweeps_through_the_started_services(
         assert (run["completed"], run["failed"]) == (6, 0)
         assert run["total_output_tokens"] == 6 * 5 and run["total_input_tokens"] == 6 * 40
         assert 0 < run["median_ttft_ms"] <= run["median_e2el_ms"]
-        assert run["output_throughput"] > 0 and run["mean_itl_ms"] > 0
+        assert run["output_throughput"] > 0 and run["mean_tpot_ms"] > 0
+        # ITL needs two chunks in one stream; the frontend merges outputs that queued while a
+        # stream was busy, so a quick engine may answer every request in one (timing).
+        assert run["mean_itl_ms"] is None or run["mean_itl_ms"] > 0
     # One at a time, each group's later requests find its two 16-token prefix blocks cached
     # (2 groups x 2 later requests x 32 tokens), its first does not: the cache was emptied
     # after the concurrent run, which had cached both prefixes.

@@ -60,8 +60,9 @@ def test_streamed_chat_completion(
     )
     chunks = [chunk for chunk in stream if chunk.choices]
     deltas = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices[0].delta.content]
-    assert len(deltas) >= 2
-    assert chunks[-1].choices[0].finish_reason == "length"
+    # How many chunks carry the 12 tokens depends on timing (outputs that queue up while a
+    # stream is busy go out together), so only their content is checked.
+    assert deltas and chunks[-1].choices[0].finish_reason == "length"
     # smg rendered the model's chat template itself: the same prompt as our frontend's.
     ours = frontend_generate(
         frontend,
