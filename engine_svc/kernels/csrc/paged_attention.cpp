@@ -1,10 +1,11 @@
 // Decode attention straight from the paged KV cache, for CPU.
 //
-// One query token per sequence attends to its first context_lens[s] cached tokens, read
-// block by block through its block table: no gather into a padded copy, no mask over
-// padding. With a sliding window (window > 0), to the last `window` of them only: the
-// blocks before are not read (they may have been released and handed to another request). Work is split over (sequence, KV head) pairs on torch's intra-op thread pool;
-// the query heads that share a KV head read each K/V row once, together.
+// One query token per sequence attends to its first context_lens[s] cached tokens, found
+// through its block table: no gather into a padded copy, no mask over padding. With a
+// sliding window (window > 0), to the last `window` of them only: the blocks before are not
+// read (they may have been released and handed to another request). Work is split over
+// sequences (or (sequence, KV head) pairs when there are few) on torch's intra-op thread
+// pool; the query heads that share a KV head read each K/V row once, together.
 //
 // Math is in float32 whatever the cache dtype: scores = q.k * scale, a max-subtracted
 // softmax over the context, then the probability-weighted sum of V.
@@ -37,108 +38,102 @@ struct Shape {
   int64_t out_row_stride;
 };
 
-// A sequence's cached rows for one task: the part [offset, offset + span) of each token's
-// row, for tokens [first, context_len), found block by block through the block table.
-struct CachedRows {
-  const int32_t* table;
-  int64_t context_len;
-  int64_t block_size;
-  int64_t row;     // elements in one token's row of the cache (all KV heads)
-  int64_t offset;  // first element this task reads in each row
-  int64_t span;    // elements it reads there
-  int64_t first;   // the first token read: 0, or where a sliding window starts
-
-  int64_t count() const { return context_len - first; }
+// Where a sequence's cached tokens start in the caches, in elements from the cache's first
+// row (the K and V caches share the layout): token first + i's row at offsets[i], for
+// tokens [first, context_len). Found once a sequence, through its block table, for every
+// pass over K and V of all its KV heads: stepping a cursor through the table in each pass
+// cost about as much as the pass's dot products.
+struct TokenRows {
+  const int64_t* offsets;
+  int64_t count;
 };
 
-// The task's part of each token's row, token after token from rows.first, stepping through
-// the block table: no division per token (it cost more than the token's dot products).
-// Each step prefetches the row kLeadTokens ahead: the hardware prefetchers do not follow
-// the table. Before, entering a block prefetched all of the next block's rows at once, and
-// perf still showed the loads of K and V rows stalling for most of the kernel's time; one
-// row a step ran 1.4x faster at 64 sequences and 1.6x at one (the Xeon with AMX, bfloat16).
-// 40 tokens ahead: on the Zen 5, 64 bfloat16 sequences of 130-300 tokens (30 layers of
-// SmolLM2's heads) took 8.0-8.4 ms against 16 tokens' 11.1-11.2 (300: 16.4 vs 23.0);
-// float32, and one sequence, unchanged. On the Xeon, 8 (into L2) to 32 measured alike.
-constexpr int kLeadTokens = 40;
+TokenRows locate_rows(const int32_t* table, int64_t first, int64_t context_len,
+                      int64_t block_size, int64_t row, std::vector<int64_t>& offsets) {
+  const int64_t count = std::max<int64_t>(context_len - first, 0);
+  offsets.resize(count);
+  int64_t i = 0;
+  for (int64_t block = first / block_size; i < count; ++block) {
+    const int64_t base = static_cast<int64_t>(table[block]) * block_size;
+    for (int64_t slot = (first + i) % block_size; slot < block_size && i < count; ++slot) {
+      offsets[i++] = (base + slot) * row;
+    }
+  }
+  return {offsets.data(), count};
+}
 
-template <typename scalar_t>
-class RowCursor {
+// Each step of a first pass over a cache prefetches the row kLeadTokens ahead: the hardware
+// prefetchers do not follow the block table. Before, entering a block prefetched all of the
+// next block's rows at once, and perf still showed the loads of K and V rows stalling for
+// most of the kernel's time; one row a step ran 1.4x faster at 64 sequences and 1.6x at one
+// (the Xeon with AMX, bfloat16). 40 tokens ahead: on the Zen 5, 64 bfloat16 sequences of
+// 130-300 tokens (30 layers of SmolLM2's heads) took 8.0-8.4 ms against 16 tokens' 11.1-11.2
+// (300: 16.4 vs 23.0); float32, and one sequence, unchanged. On the Xeon, 8 (into L2) to 32
+// measured alike. Later passes over the same rows (other query heads) find them in L2.
+constexpr int64_t kLeadTokens = 40;
+
+// The rows of a task's tokens in order, `span` elements each (kSpan when known at compile
+// time, so the prefetches unroll), from `cache` (offset to the task's KV head).
+template <typename scalar_t, int64_t kSpan = 0>
+class RowReader {
  public:
-  RowCursor(const CachedRows& rows, const scalar_t* cache)
-      : rows_(rows),
-        cache_(cache),
-        block_(rows.first / rows.block_size),
-        in_block_(rows.first % rows.block_size),
-        last_block_((rows.context_len - 1) / rows.block_size),
-        lead_block_(block_),
-        lead_in_block_(in_block_),
-        lead_left_(rows.count()) {
-    enter_block();
-    for (int i = 0; i < kLeadTokens; ++i) prefetch_lead();
+  RowReader(const scalar_t* cache, const TokenRows& rows, bool prefetch, int64_t span = kSpan)
+      : cache_(cache), offsets_(rows.offsets), count_(rows.count), lines_(lines_of(span)),
+        prefetch_(prefetch) {
+    if (!prefetch_) return;
+    for (int64_t i = 0; i < std::min(kLeadTokens, count_); ++i) prefetch_row(i);
   }
 
-  const scalar_t* next() {
-    prefetch_lead();
-    const scalar_t* row = block_rows_ + in_block_ * rows_.row;
-    if (++in_block_ == rows_.block_size) {
-      in_block_ = 0;
-      if (++block_ <= last_block_) enter_block();
-    }
-    return row;
+  __attribute__((always_inline)) const scalar_t* next() {
+    if (prefetch_ && next_ + kLeadTokens < count_) prefetch_row(next_ + kLeadTokens);
+    return cache_ + offsets_[next_++];
   }
 
  private:
-  void enter_block() {
-    block_rows_ = cache_ + (rows_.table[block_] * rows_.block_size) * rows_.row + rows_.offset;
+  static constexpr int64_t lines_of(int64_t span) {
+    return (span * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   }
 
-  void prefetch_lead() {
-    if (lead_left_ == 0) return;
-    --lead_left_;
-    constexpr int64_t kLine = 64 / sizeof(scalar_t);
-    const scalar_t* row = cache_ + (rows_.table[lead_block_] * rows_.block_size + lead_in_block_) *
-                                       rows_.row + rows_.offset;
-    for (int64_t e = 0; e < rows_.span; e += kLine) __builtin_prefetch(row + e);
-    if (++lead_in_block_ == rows_.block_size) {
-      lead_in_block_ = 0;
-      ++lead_block_;
+  __attribute__((always_inline)) void prefetch_row(int64_t i) const {
+    const char* row = reinterpret_cast<const char*>(cache_ + offsets_[i]);
+    if constexpr (kSpan > 0) {
+      for (int64_t line = 0; line < lines_of(kSpan); ++line) __builtin_prefetch(row + 64 * line);
+    } else {
+      for (int64_t line = 0; line < lines_; ++line) __builtin_prefetch(row + 64 * line);
     }
   }
 
-  const CachedRows& rows_;
   const scalar_t* cache_;
-  int64_t block_;
-  int64_t in_block_;
-  int64_t last_block_;
-  int64_t lead_block_;
-  int64_t lead_in_block_;
-  int64_t lead_left_;
-  const scalar_t* block_rows_ = nullptr;
+  const int64_t* offsets_;
+  int64_t count_;
+  int64_t lines_;
+  bool prefetch_;
+  int64_t next_ = 0;
 };
 
-// Calls visit(i, the task's part of token first + i's row) for the tokens read, in order.
-template <typename scalar_t, typename Visit>
-void for_each_row(const CachedRows& rows, const scalar_t* cache, Visit&& visit) {
-  RowCursor<scalar_t> cursor(rows, cache);
-  for (int64_t i = 0; i < rows.count(); ++i) visit(i, cursor.next());
+// Calls visit(i, token i's row) for the task's tokens, in order.
+template <typename scalar_t, int64_t kSpan = 0, typename Visit>
+__attribute__((always_inline)) inline void for_each_row(const scalar_t* cache,
+                                                        const TokenRows& rows, bool prefetch,
+                                                        int64_t span, Visit&& visit) {
+  RowReader<scalar_t, kSpan> reader(cache, rows, prefetch, span);
+  for (int64_t i = 0; i < rows.count; ++i) visit(i, reader.next());
 }
 
 template <typename scalar_t>
 void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
-                const scalar_t* __restrict v_cache, const int32_t* __restrict table,
-                int64_t context_len, int64_t first, int64_t kv_begin, int64_t kv_end,
-                const Shape& shape,
-                float scale, scalar_t* __restrict out, std::vector<float>& query,
-                std::vector<float>& scores, std::vector<float>& acc) {
+                const scalar_t* __restrict v_cache, const TokenRows& rows, int64_t kv_begin,
+                int64_t kv_end, const Shape& shape, float scale, scalar_t* __restrict out,
+                std::vector<float>& query, std::vector<float>& scores, std::vector<float>& acc) {
   // The query heads of KV heads [kv_begin, kv_end): `per_kv` per KV head, consecutive.
   const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
   const int64_t group = (kv_end - kv_begin) * per_kv;
   const int64_t dim = shape.head_dim;
   const int64_t first_head = kv_begin * per_kv;
-  const CachedRows rows{table, context_len, shape.block_size, shape.num_kv_heads * dim,
-                        kv_begin * dim, (kv_end - kv_begin) * dim, first};
-  const int64_t len = rows.count();
+  const int64_t span = (kv_end - kv_begin) * dim;
+  const int64_t len = rows.count;
+  k_cache += kv_begin * dim;
+  v_cache += kv_begin * dim;
 
   for (int64_t g = 0; g < group; ++g) {
     const scalar_t* src = q + (first_head + g) * shape.q_head_stride;
@@ -147,7 +142,7 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
 
   // Scores.
   const int64_t num_kv = kv_end - kv_begin;
-  for_each_row(rows, k_cache, [&](int64_t t, const scalar_t* __restrict key_row) {
+  for_each_row(k_cache, rows, true, span, [&](int64_t t, const scalar_t* __restrict key_row) {
     for (int64_t h = 0; h < num_kv; ++h) {
       const scalar_t* key = key_row + h * dim;
       for (int64_t g = h * per_kv; g < (h + 1) * per_kv; ++g) {
@@ -176,7 +171,7 @@ void attend_one(const scalar_t* __restrict q, const scalar_t* __restrict k_cache
 
   // Probability-weighted sum of V.
   std::fill(acc.begin(), acc.begin() + group * dim, 0.0f);
-  for_each_row(rows, v_cache, [&](int64_t t, const scalar_t* __restrict value_row) {
+  for_each_row(v_cache, rows, true, span, [&](int64_t t, const scalar_t* __restrict value_row) {
     for (int64_t h = 0; h < num_kv; ++h) {
       const scalar_t* value = value_row + h * dim;
       for (int64_t g = h * per_kv; g < (h + 1) * per_kv; ++g) {
@@ -221,10 +216,10 @@ inline void store_as(fvec v, at::BFloat16* p) {  // rounded to nearest even, as 
 // widened once per chunk, into `widened`, for all of them (not once per query head).
 template <int kDim, int kGroup, typename T>
 void float_scores(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
-                  const CachedRows& rows, float scale, float* __restrict scores,
+                  const TokenRows& rows, bool prefetch, float scale, float* __restrict scores,
                   int64_t padded) {
   constexpr int kVecs = kDim / kLanes;
-  const int64_t len = rows.count();
+  const int64_t len = rows.count;
   vreg query[kGroup][kVecs];  // scaled, so the dot products are the scores
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) {
@@ -234,7 +229,7 @@ void float_scores(const T* __restrict q, int64_t q_head_stride, const T* __restr
 
   constexpr bool kWiden = !std::is_same_v<T, float> && kGroup > 1;
   using KeyRow = std::conditional_t<kWiden, const float*, const T*>;
-  RowCursor<T> keys(rows, k_cache);
+  RowReader<T, kDim> keys(k_cache, rows, prefetch);
   KeyRow chunk_rows[kLanes];
   __at_align__ float widened[kWiden ? kLanes * kDim : 1];
   for (int64_t start = 0; start < len; start += kLanes) {
@@ -276,17 +271,17 @@ void float_scores(const T* __restrict q, int64_t q_head_stride, const T* __restr
 
 template <int kDim, int kGroup>
 void bf16_dot_scores(const at::BFloat16* __restrict q, int64_t q_head_stride,
-                     const at::BFloat16* __restrict k_cache, const CachedRows& rows, float scale,
-                     float* __restrict scores, int64_t padded) {
+                     const at::BFloat16* __restrict k_cache, const TokenRows& rows, bool prefetch,
+                     float scale, float* __restrict scores, int64_t padded) {
   constexpr int kPairs = kDim / 32;  // 32 bfloat16 values a vector
-  const int64_t len = rows.count();
+  const int64_t len = rows.count;
   __m512bh query[kGroup][kPairs];
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kPairs; ++i) {
       query[g][i] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * i);
     }
   }
-  RowCursor<at::BFloat16> keys(rows, k_cache);
+  RowReader<at::BFloat16, kDim> keys(k_cache, rows, prefetch);
   const at::BFloat16* chunk_rows[kLanes];
   const fvec scale_v(scale);
   for (int64_t start = 0; start < len; start += kLanes) {
@@ -310,22 +305,23 @@ void bf16_dot_scores(const at::BFloat16* __restrict q, int64_t q_head_stride,
 }
 #else
 template <int kDim, int kGroup>
-void bf16_dot_scores(const at::BFloat16*, int64_t, const at::BFloat16*, const CachedRows&, float,
-                     float*, int64_t) {}
+void bf16_dot_scores(const at::BFloat16*, int64_t, const at::BFloat16*, const TokenRows&, bool,
+                     float, float*, int64_t) {}
 #endif
 
 template <int kDim, int kGroup, typename T>
 void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __restrict k_cache,
-                    const T* __restrict v_cache, const CachedRows& rows, float scale,
-                    T* __restrict out, float* __restrict scores) {
+                    const T* __restrict v_cache, const TokenRows& rows, bool prefetch,
+                    float scale, T* __restrict out, float* __restrict scores) {
   constexpr int kVecs = kDim / kLanes;
-  const int64_t len = rows.count();
+  const int64_t len = rows.count;
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
 
   if constexpr (kBf16DotProducts && std::is_same_v<T, at::BFloat16>) {
-    bf16_dot_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, scale, scores, padded);
+    bf16_dot_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, prefetch, scale, scores,
+                                  padded);
   } else {
-    float_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, scale, scores, padded);
+    float_scores<kDim, kGroup>(q, q_head_stride, k_cache, rows, prefetch, scale, scores, padded);
   }
 
   // Softmax numerators in place; the padding past `len` becomes 0.
@@ -360,7 +356,7 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) acc[g][i] = fvec(0.0f);
   }
-  for_each_row(rows, v_cache, [&](int64_t t, const T* __restrict value) {
+  for_each_row<T, kDim>(v_cache, rows, prefetch, kDim, [&](int64_t t, const T* __restrict value) {
     vreg v[kVecs];
     for (int i = 0; i < kVecs; ++i) v[i] = load_float(value + kLanes * i);
     for (int g = 0; g < kGroup; ++g) {
@@ -378,32 +374,35 @@ void attend_kv_head(const T* __restrict q, int64_t q_head_stride, const T* __res
 template <int kDim>
 constexpr int max_group() { return std::max(1, kVectorRegisters / 2 / (kDim / kLanes)); }
 
+// The query heads sharing one KV head, kGroup at a time; the first pass over K and over V
+// prefetches the rows, the others find them in cache.
 template <typename T, int kDim, int kGroup = max_group<kDim>()>
 void attend_heads(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                  const CachedRows& rows, float scale, T* out, float* scores, int64_t heads) {
+                  const TokenRows& rows, float scale, T* out, float* scores, int64_t heads,
+                  bool prefetch = true) {
   if constexpr (kGroup > 1) {
     if (heads < kGroup) {
       attend_heads<T, kDim, kGroup - 1>(q, q_head_stride, k_cache, v_cache, rows, scale, out,
-                                        scores, heads);
+                                        scores, heads, prefetch);
       return;
     }
   }
   for (int64_t g = 0; g < heads; g += kGroup) {
     if (heads - g < kGroup) {
       attend_heads<T, kDim>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows, scale,
-                            out + g * kDim, scores, heads - g);
+                            out + g * kDim, scores, heads - g, prefetch && g == 0);
       return;
     }
     attend_kv_head<kDim, kGroup>(q + g * q_head_stride, q_head_stride, k_cache, v_cache, rows,
-                                 scale, out + g * kDim, scores);
+                                 prefetch && g == 0, scale, out + g * kDim, scores);
   }
 }
 
 constexpr int kMaxGroup = max_group<64>();  // the most heads a pass holds, for the scores
 
 template <typename T>
-using AttendFn = void (*)(const T*, int64_t, const T*, const T*, const CachedRows&, float, T*,
-                          float*, int64_t);
+using AttendFn = void (*)(const T*, int64_t, const T*, const T*, const TokenRows&, float, T*,
+                          float*, int64_t, bool);
 
 // The head sizes with a compiled path (each a multiple of every level's lanes), or null.
 template <typename T>
@@ -443,6 +442,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
 
   const int64_t num_seqs = q.size(0);
+  const int64_t row = shape.num_kv_heads * shape.head_dim;  // elements in one token's cache row
   auto out = at::empty({num_seqs, shape.num_heads, shape.head_dim}, q.options());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -477,21 +477,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> scores(decode_vec::kMaxGroup * padded_context);
+      std::vector<int64_t> offsets;
       for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
         const int64_t s = task / tasks_per_seq;
         const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
+        const TokenRows rows = locate_rows(tables + s * shape.max_blocks, first_token(s), lens[s],
+                                           shape.block_size, row, offsets);
         for (int64_t h = kv_begin; h < kv_begin + kv_per_task; ++h) {
-          const CachedRows rows{tables + s * shape.max_blocks,
-                                lens[s],
-                                shape.block_size,
-                                shape.num_kv_heads * shape.head_dim,
-                                h * shape.head_dim,
-                                shape.head_dim,
-                                first_token(s)};
           const T* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
           T* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
-          attend(q_head, shape.q_head_stride, k_ptr, v_ptr, rows, static_cast<float>(scale),
-                 out_head, scores.data(), per_kv);
+          attend(q_head, shape.q_head_stride, k_ptr + h * shape.head_dim,
+                 v_ptr + h * shape.head_dim, rows, static_cast<float>(scale), out_head,
+                 scores.data(), per_kv, true);
         }
       }
     });
@@ -511,11 +508,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           std::vector<float> query(heads_per_task * shape.head_dim);
           std::vector<float> scores(heads_per_task * max_context_len);
           std::vector<float> acc(heads_per_task * shape.head_dim);
+          std::vector<int64_t> offsets;
           for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
             const int64_t s = task / tasks_per_seq;
             const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
-            attend_one<scalar_t>(q_ptr + s * shape.q_row_stride, k_ptr, v_ptr,
-                                 tables + s * shape.max_blocks, lens[s], first_token(s), kv_begin,
+            const TokenRows rows = locate_rows(tables + s * shape.max_blocks, first_token(s),
+                                               lens[s], shape.block_size, row, offsets);
+            attend_one<scalar_t>(q_ptr + s * shape.q_row_stride, k_ptr, v_ptr, rows, kv_begin,
                                  kv_begin + kv_per_task, shape, static_cast<float>(scale),
                                  out_ptr + s * shape.out_row_stride, query, scores, acc);
           }
