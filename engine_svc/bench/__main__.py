@@ -3,7 +3,8 @@ Hugging Face `generate` on the same prompts), `serve` (through the frontend's gR
 `openai` (any OpenAI-compatible server's streaming completions) or `overhead` (serve with
 an engine that runs no model: the stack's own cost) or `prefix` (the time to first token of
 a prompt with a cached prefix, against none cached) or `steps` (where an offline batch's time
-goes: prompt and decode steps, and a decode step's parts).
+goes: prompt and decode steps, and a decode step's parts) or `kernels` (our CPU kernels at
+the model's shapes against what torch does in their place).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ MODES = {
     "overhead": "engine_svc.bench.overhead",
     "prefix": "engine_svc.bench.prefix_ttft",
     "steps": "engine_svc.bench.step_times",
+    "kernels": "engine_svc.bench.kernel_times",
 }
 
 
