@@ -138,9 +138,12 @@ def test_bench_serve_sweeps_through_the_started_services(
         assert (run["completed"], run["failed"]) == (6, 0)
         assert run["total_output_tokens"] == 6 * 5 and run["total_input_tokens"] == 6 * 40
         assert 0 < run["median_ttft_ms"] <= run["median_e2el_ms"]
-        assert run["output_throughput"] > 0 and run["mean_tpot_ms"] > 0
-        # ITL needs two chunks in one stream; the frontend merges outputs that queued while a
-        # stream was busy, so a quick engine may answer every request in one (timing).
+        assert run["output_throughput"] > 0
+        # The frontend merges outputs that queued while a stream was busy, so a quick engine
+        # may answer every request in one chunk (timing): ITL then has no gap to measure, and
+        # TPOT ((E2E - TTFT) / 4, the first chunk's time being the last's) is 0. Neither is
+        # positive as a fact; TPOT is defined (5 tokens) and within the request's E2E.
+        assert 0 <= run["mean_tpot_ms"] < run["mean_e2el_ms"]
         assert run["mean_itl_ms"] is None or run["mean_itl_ms"] > 0
     # One at a time, each group's later requests find its two 16-token prefix blocks cached
     # (2 groups x 2 later requests x 32 tokens), its first does not: the cache was emptied

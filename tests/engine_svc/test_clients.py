@@ -79,21 +79,24 @@ def test_a_bad_request_is_refused_at_admission_and_the_others_go_on(
 
 
 def test_abort_and_utility_calls(client: SyncMPClient) -> None:
-    client.add_request(_request("long", [7, 8], 500))
-    first = client.get_output()
-    assert first.outputs[0].request_id == "long"
-    client.pause()  # mid-flight from here on, however slowly this test runs
+    # Paused before it arrives, the request runs only the step it is given: mid-flight from
+    # its first token on, however slowly this test runs (paused after that token instead,
+    # it could run to its end between the test's get_output() and pause()).
+    client.pause()
     try:
+        client.add_request(_request("long", [7, 8], 500))
+        assert client.resume_for_steps(1) == 1  # its first token, then paused again
         assert client.get_load().num_running == 1
         assert client.reset_prefix_cache() is False  # refused while blocks are in use
         client.abort_requests(["long", "unknown"])  # a paused engine still takes aborts
-        outputs = [*first.outputs]
-        for _ in range(50):
+        outputs: list[EngineCoreOutput] = []
+        for _ in range(50):  # the step's output, perhaps stats alone, then the abort
             if not client.has_unfinished_requests():
                 break
             outputs += client.get_output().outputs
+        assert outputs[0].request_id == "long"
         assert outputs[-1].finish_reason == FinishReason.ABORT
-        assert sum(len(o.new_token_ids) for o in outputs) < 500
+        assert sum(len(o.new_token_ids) for o in outputs) == 1
         load = client.get_load()
         assert (load.num_running, load.num_free_kv_blocks) == (0, 256)
         assert client.reset_prefix_cache() is True

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,6 +99,15 @@ def _all_within(events: list[asyncio.Event], timeout_s: float) -> bool:
     return True
 
 
+def _refuses_new_calls(service: ServiceProcess) -> bool:
+    """Whether the service turns new calls away: NOT_SERVING, or already gone (a drain can
+    end, and the server with it, before a loaded client's next health check)."""
+    try:
+        return service.health() == NOT_SERVING
+    except grpc.RpcError as error:
+        return error.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def _assert_fails_fast_and_exits_nonzero(
     service: ServiceProcess, trigger: Callable[[], None] | None, num_streams: int = 8
 ) -> list[StreamResult]:
@@ -162,9 +172,12 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(
     async def body() -> tuple[list[StreamResult], StreamResult]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = engine_stub(channel)
-            results, tasks = await _start_streams(stub, _long_requests(4, 400, "drain"))
+            # Paused until the signal (a draining engine resumes itself): every request is
+            # mid-flight when it lands, with its ~400 steps still to drain.
+            requests = _long_requests(4, 400, "drain")
+            results, tasks = await _start_streams(stub, requests, service)
             service.process.send_signal(signal.SIGTERM)
-            while service.health() != NOT_SERVING:
+            while not _refuses_new_calls(service):
                 await asyncio.sleep(0.02)
             late = await consume(stub, generate_request("late", [1, 2, 3], 4), StreamResult())
             await asyncio.gather(*tasks)
@@ -182,15 +195,24 @@ def test_sigterm_drains_a_generate_many_call_then_ends_it_unavailable(
     launch: ServiceFactory,
 ) -> None:
     """The call's requests run to their end and a late one gets its own UNAVAILABLE; then the
-    engine ends the call itself (the server's stop would cancel it, after its grace)."""
+    engine ends the call itself (the server's stop would cancel it, after its grace). The
+    engine is paused until the signal, a step at a time until the first response: the
+    drain then has the requests' ~900 steps to run while the late one is sent, however
+    slowly this client read that response (the drain itself cannot be held)."""
     service = launch("--shutdown-timeout", "60")
 
     async def body() -> tuple[list[pb.GenerateManyResponse], grpc.StatusCode, str]:
         async with grpc.aio.insecure_channel(service.address) as channel:
-            call = engine_stub(channel).GenerateMany()
+            stub = engine_stub(channel)
+            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+            call = stub.GenerateMany()
             requests = _long_requests(2, 900, "many")
             await call.write(pb.GenerateManyRequest(requests=requests))
-            responses = [await call.read()]  # the requests are in the engine
+            first = asyncio.ensure_future(call.read())
+            got_first = threading.Event()
+            first.add_done_callback(lambda _: got_first.set())
+            await asyncio.to_thread(service.step_until, lambda: got_first.wait(0.2))
+            responses = [await first]  # the requests are in the engine, paused
             service.process.send_signal(signal.SIGTERM)
             while service.health() != NOT_SERVING:
                 await asyncio.sleep(0.02)

@@ -104,13 +104,25 @@ def test_a_bad_request_gets_its_own_error_and_the_others_run(service: ServicePro
     async def body() -> tuple[list[pb.GenerateManyResponse], grpc.StatusCode]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = _stub(channel)
-            call = stub.GenerateMany(timeout=60)
-            await call.write(pb.GenerateManyRequest(requests=[good, bad_value, no_id, held]))
-            # The same id again while "held" runs: refused, and "held" goes on.
-            await call.write(pb.GenerateManyRequest(requests=[held]))
-            await call.write(pb.GenerateManyRequest(abort_request_ids=["held", "unknown"]))
-            await call.done_writing()
-            responses = [response async for response in call]
+            # Paused until "held" has ended: it cannot run its 900 tokens to the end before
+            # its twin and its abort are read, however slowly the call's messages are handled.
+            await stub.PauseGeneration(pb.PauseGenerationRequest(), timeout=10)
+            responses: list[pb.GenerateManyResponse] = []
+            try:
+                call = stub.GenerateMany(timeout=60)
+                await call.write(pb.GenerateManyRequest(requests=[good, bad_value, no_id, held]))
+                # The same id again while "held" runs: refused, and "held" goes on.
+                await call.write(pb.GenerateManyRequest(requests=[held]))
+                await call.write(pb.GenerateManyRequest(abort_request_ids=["held", "unknown"]))
+                await call.done_writing()
+                while not _has_ended(responses, "held"):  # a paused engine still aborts
+                    response = await call.read()
+                    assert isinstance(response, pb.GenerateManyResponse), "the call ended"
+                    responses.append(response)
+            finally:
+                await stub.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=10)
+            while isinstance(response := await call.read(), pb.GenerateManyResponse):
+                responses.append(response)
             return responses, await call.code()
 
     responses, code = run_async(body)
@@ -127,6 +139,14 @@ def test_a_bad_request_gets_its_own_error_and_the_others_run(service: ServicePro
     ends = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
     assert ends == {"good": pb.FINISH_REASON_LENGTH, "held": pb.FINISH_REASON_ABORT}
     assert service.num_requests() == 0
+
+
+def _has_ended(responses: list[pb.GenerateManyResponse], request_id: str) -> bool:
+    return any(
+        o.request_id == request_id and o.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        for r in responses
+        for o in r.outputs
+    )
 
 
 def test_cancelling_the_call_aborts_its_requests(service: ServiceProcess) -> None:
