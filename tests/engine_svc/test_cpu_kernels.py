@@ -192,6 +192,40 @@ def test_bfloat16_kernel_for_every_group_size(heads: int, kv_heads: int) -> None
     assert (got == _bf16_reference(inputs, 0.125)).double().mean().item() > 0.99
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(8, 1, 64), (16, 2, 64), (12, 3, 64), (8, 2, 128)]
+)
+def test_bfloat16_heads_beyond_one_pass_share_each_chunk_of_rows(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """More query heads on a KV head than one pass holds in registers (where the build has
+    no bfloat16 dot products: each chunk of rows serves every group of heads in turn, the
+    sums kept between chunks): the same values as torch, on lengths that end mid-chunk."""
+    lens = [1, 15, 17, 40, 250]
+    inputs = _case(len(lens), heads, kv_heads, 16, lens, torch.bfloat16, seed=7, head_dim=head_dim)
+    scale = head_dim**-0.5
+    got = paged_decode_attention(*inputs, max(lens), scale)
+    as_float = tuple(t.float() if t.is_floating_point() else t for t in inputs)
+    torch.testing.assert_close(got.float(), _reference(as_float, scale), rtol=1e-2, atol=1e-2)
+    assert (got == _bf16_reference(inputs, scale)).double().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "window"), [(5, 0), (7, 0), (5, 12), (7, 30), (16, 9)])
+def test_rows_are_found_for_any_block_size_and_window_start(
+    block_size: int, window: int, dtype: torch.dtype
+) -> None:
+    """Each sequence's rows are located once through its block table: blocks of any size,
+    and a window whose first token lies inside a block."""
+    lens = [1, 5, 6, 13, 34, 101]
+    inputs = _case(len(lens), 9, 3, block_size, lens, dtype, seed=8)
+    as_float = tuple(t.float() if t.is_floating_point() else t for t in inputs)
+    got = paged_decode_attention(*inputs, max(lens), 0.125, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    expected = _reference(as_float, 0.125, window or None)
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
 def test_a_sliding_window_reads_only_its_last_tokens(window: int, dtype: torch.dtype) -> None:

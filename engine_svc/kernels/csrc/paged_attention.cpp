@@ -554,9 +554,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     T* out_ptr = out.data_ptr<T>();
     const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      std::vector<float> scores(per_kv * padded_context);
-      std::vector<float> acc(per_kv * shape.head_dim);
-      std::vector<int64_t> offsets;
+      // The thread's room, kept between calls (every layer of every step calls): scores for
+      // the heads one KV head's pass takes, V sums, row offsets. Every score read is written
+      // first (a chunk's padding lanes as 0), so nothing is cleared.
+      thread_local std::vector<float> scores;
+      thread_local std::vector<float> acc;
+      thread_local std::vector<int64_t> offsets;
+      const int64_t score_heads = std::min<int64_t>(per_kv, decode_vec::kMaxHeads);
+      if (static_cast<int64_t>(scores.size()) < score_heads * padded_context) {
+        scores.resize(score_heads * padded_context);
+      }
+      if (static_cast<int64_t>(acc.size()) < score_heads * shape.head_dim) {
+        acc.resize(score_heads * shape.head_dim);
+      }
       for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
         const int64_t s = task / tasks_per_seq;
         const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
