@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from engine_svc.bench import machine
+from engine_svc.bench import machine, options
 from engine_svc.bench.load import DTYPES
 from engine_svc.kernels import (
     cpu_kernels_available,
@@ -208,17 +208,22 @@ def projections(
     times = []
     for rows in (args.num_seqs, args.prompt_rows):
         inputs = [torch.randn(rows, p.in_features).to(dtype) for p in ours]
-        pairs = list(zip(ours, plain, inputs, strict=True))
         if rows == args.num_seqs:  # a decode step's rows: torch's side runs even if scalar
-            for index, (mine, theirs, x) in enumerate(pairs[:4]):
+            for index, (mine, theirs, x) in enumerate(zip(ours[:4], plain, inputs, strict=False)):
                 check_same(f"projection {index} at {rows} rows", mine(x), theirs(x))
         torch_s = None
         if not skip_torch:
-            torch_s = best_seconds(functools.partial(run_projections, pairs, 1), args.trials)
+            torch_s = best_seconds(
+                functools.partial(run_projections, list(zip(plain, inputs, strict=True))),
+                args.trials,
+            )
         times.append(
             KernelTime(
                 f"projections, {len(ours)} at {rows} rows",
-                best_seconds(functools.partial(run_projections, pairs, 0), args.trials),
+                best_seconds(
+                    functools.partial(run_projections, list(zip(ours, inputs, strict=True))),
+                    args.trials,
+                ),
                 torch_s,
                 bytes=weights * dtype.itemsize if rows == args.num_seqs else 0,
                 flops=2 * rows * weights,
@@ -228,15 +233,9 @@ def projections(
     return times
 
 
-Projections = list[tuple[Projection, Projection, torch.Tensor]]  # ours, torch's path, input
-
-
-def run_projections(pairs: Projections, side: int) -> None:
-    """One side's projections (0: ours, 1: torch's path) over their inputs."""
-    for entry in pairs:
-        projection = entry[side]
-        assert isinstance(projection, Projection)
-        projection(entry[2])
+def run_projections(calls: list[tuple[Projection, torch.Tensor]]) -> None:
+    for projection, x in calls:
+        projection(x)
 
 
 def prompt_attention(
@@ -329,26 +328,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", help="write the figures as JSON here")
-    parser.add_argument(
-        "--isa",
-        choices=sorted(machine.ISA_CAPS),
-        help="hold torch, MKL, oneDNN and our kernels to this vector level (as offline mode)",
-    )
+    options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    for name in ("num_seqs", "min_context", "prompt_rows", "min_prompt", "trials"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_context < args.min_context:
-        parser.error("--max-context must be at least --min-context")
-    if args.max_prompt < args.min_prompt:
-        parser.error("--max-prompt must be at least --min-prompt")
+    options.require_positive(
+        parser, args, ["num_seqs", "min_context", "prompt_rows", "min_prompt", "trials"]
+    )
+    options.require_ordered(parser, args, "min_context", "max_context")
+    options.require_ordered(parser, args, "min_prompt", "max_prompt")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "kernels", *args.argv])
+    options.rerun_capped(args, "kernels")
     print(machine.describe(DTYPES[args.dtype]), flush=True)
     times = measure(args)
     if args.result_file:

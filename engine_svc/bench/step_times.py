@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine_svc.bench import machine
+from engine_svc.bench import machine, options
 from engine_svc.bench.alternating import make_workload
 from engine_svc.bench.load import DTYPES, vocab_size_of
 from engine_svc.core.sched.output import SchedulerOutput
@@ -151,24 +151,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="batches timed, one line each")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
     parser.add_argument("--result-file", help="write the rounds as JSON here")
-    parser.add_argument(
-        "--isa",
-        choices=sorted(machine.ISA_CAPS),
-        help="hold torch, MKL, oneDNN and our kernels to this vector level (as offline mode)",
-    )
+    options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    for name in ("num_prompts", "output_len", "min_len", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_len < args.min_len:
-        parser.error("--max-len must be at least --min-len")
+    options.require_positive(parser, args, ["num_prompts", "output_len", "min_len", "rounds"])
+    options.require_ordered(parser, args, "min_len", "max_len")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "steps", *args.argv])
+    options.rerun_capped(args, "steps")
     print(machine.describe(DTYPES[args.dtype]), flush=True)
     rounds = measure(args)
     for index, times in enumerate(rounds, 1):
