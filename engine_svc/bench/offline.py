@@ -2,7 +2,10 @@
 prompts, with the machine's GEMM and copy ceilings measured in the same run (DESIGN.md 6).
 
     python -m engine_svc.bench [offline] --model DIR [--skip-hf] [--rounds N] [--isa avx2]
-        [--vllm-python PATH]
+        [--vllm-python PATH] [--device cuda]
+
+On a CUDA device (`--device`, by default CUDA when torch sees one) both systems run there and
+the ceilings are the device's (ceiling_cuda.py).
 
 Each system runs in a process of its own (worker.py), so none inherits another's threads,
 allocator settings or warm memory: our engine tunes glibc malloc for its process, Hugging
@@ -38,7 +41,9 @@ from engine_svc.bench.alternating import (
     print_table,
     summarize,
 )
+from engine_svc.bench.ceiling_cuda import describe_device, measure_cuda_ceilings
 from engine_svc.bench.worker import Worker, serve, serve_workload, write_workload
+from engine_svc.worker.model_runner import resolve_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,6 +65,8 @@ def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[Genera
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         enforce_eager=args.enforce_eager,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -78,7 +85,9 @@ def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[Genera
 def hf_system(args: argparse.Namespace) -> Iterator[GenerateFn]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype]).eval()
+    device = resolve_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype])
+    model = model.to(device).eval()  # type: ignore[arg-type]
     pad_id = model.config.pad_token_id
     if pad_id is None:
         pad_id = model.config.eos_token_id
@@ -87,8 +96,8 @@ def hf_system(args: argparse.Namespace) -> Iterator[GenerateFn]:
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         input_ids, attention_mask = _left_pad(prompts, pad_id)
         sequences = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,  # EOS suppressed, as ignore_eos does for us
             do_sample=False,
@@ -141,6 +150,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="both systems' device: auto (CUDA when available), cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="our engine's share of the accelerator's memory (weights, activations, KV cache)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, help="our engine's worker ranks"
     )
     parser.add_argument(
@@ -183,6 +203,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--vllm-python {args.vllm_python}: not an executable file")
     if args.rounds < 1:
         parser.error("need --rounds >= 1")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error("need 0 < --gpu-memory-utilization <= 1")
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: cpu or cuda")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
@@ -198,7 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         _run_here(args)
         return
     machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "offline", *args.argv])
-    if args.dtype == "bfloat16" and not args.skip_hf and not machine.has_bf16_arithmetic():
+    device = resolve_device(args.device)
+    on_cpu = device.type == "cpu"
+    if (
+        on_cpu
+        and args.dtype == "bfloat16"
+        and not args.skip_hf
+        and not machine.has_bf16_arithmetic()
+    ):
         # torch's bfloat16 matmul runs a scalar path there: Hugging Face would take hours.
         print(
             "Hugging Face bfloat16 skipped: this CPU has no bfloat16 arithmetic (AVX512-BF16 "
@@ -220,9 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             for worker in workers.values():
                 worker.close()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    # Measured twice: on a shared machine one of the two may be contended.
-    ceilings = ceiling.measure_ceilings(_DTYPES[args.dtype])
-    ceilings = ceilings.best(ceiling.measure_ceilings(_DTYPES[args.dtype]))
+    ceilings = _measure_ceilings(_DTYPES[args.dtype], device)
     bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
     summary = summarize(
         workload, results, ceilings, ceiling.count_parameters(args.model), bytes_per_param
@@ -231,9 +266,20 @@ def main(argv: list[str] | None = None) -> None:
     summary |= machine.identity()
     summary |= {"tensor_parallel_size": args.tensor_parallel_size,
                 "pipeline_parallel_size": args.pipeline_parallel_size}  # fmt: skip
-    print(machine.describe(_DTYPES[args.dtype]))
+    if on_cpu:
+        print(machine.describe(_DTYPES[args.dtype]))
+    else:
+        summary |= {"device": torch.cuda.get_device_name(device)}
+        print(describe_device(device))
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
+
+
+def _measure_ceilings(dtype: torch.dtype, device: torch.device) -> ceiling.Ceilings:
+    if device.type == "cuda":
+        return measure_cuda_ceilings(dtype, device)
+    # Measured twice: on a shared machine one of the two may be contended.
+    return ceiling.measure_ceilings(dtype).best(ceiling.measure_ceilings(dtype))
 
 
 def _vllm_worker(args: argparse.Namespace, workload: Workload, folder: Path) -> Worker:

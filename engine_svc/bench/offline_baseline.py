@@ -20,7 +20,14 @@ from shared.errors import InvalidRequestError
 class OfflineBaseline:
     """The offline worker, started on the workload's token ids (written under `folder`)."""
 
-    def __init__(self, model: str, dtype: str, requests: list[BenchRequest], folder: Path):
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        requests: list[BenchRequest],
+        folder: Path,
+        gpu_memory_utilization: float | None = None,
+    ):
         prompts = [r.prompt_token_ids for r in requests]
         lengths = {r.output_len for r in requests}
         if any(p is None for p in prompts) or len(lengths) != 1:
@@ -35,6 +42,8 @@ class OfflineBaseline:
         self.output_tokens = len(ids) * output_len
         command = [sys.executable, "-m", "engine_svc.bench", "offline", "--model", model,
                    "--dtype", dtype, "--system", "ours", "--workload-file", str(path)]  # fmt: skip
+        if gpu_memory_utilization is not None:
+            command.append(f"--gpu-memory-utilization={gpu_memory_utilization}")
         self.worker = Worker(command)
         # One batch untimed, before the services start: a first batch runs slower (its KV
         # pages and allocator arenas are new), which in runs of 3 rounds made the first

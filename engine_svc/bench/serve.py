@@ -51,6 +51,9 @@ from shared.protos import engine_pb2 as pb
 from shared.protos import engine_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per connection
+# With --against-offline on one CUDA device, the served engine and the offline worker each
+# take this share of its memory (the default 0.9 each would not fit both).
+SHARED_GPU_MEMORY_UTILIZATION = 0.45
 
 
 def parse_args(
@@ -149,6 +152,21 @@ def services(args: argparse.Namespace) -> Iterator[Addresses]:
             yield addresses
 
 
+def _share_accelerator(args: argparse.Namespace) -> float | None:
+    """The share of a CUDA device's memory the offline worker takes beside services this
+    bench starts there (whose engine gets the same share unless --engine-arg sets one); None
+    on CPU, where the host's budget applies."""
+    import torch
+
+    if not torch.cuda.is_available() or any("--device=cpu" in a for a in args.engine_arg):
+        return None
+    if args.frontend_address is None and not any(
+        a.startswith("--gpu-memory-utilization") for a in args.engine_arg
+    ):
+        args.engine_arg.append(f"--gpu-memory-utilization={SHARED_GPU_MEMORY_UTILIZATION}")
+    return SHARED_GPU_MEMORY_UTILIZATION
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     try:
@@ -160,8 +178,9 @@ def main(argv: list[str]) -> None:
         baseline = None
         if args.against_offline:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            share = _share_accelerator(args)
             try:
-                baseline = OfflineBaseline(args.model, args.dtype, requests, folder)
+                baseline = OfflineBaseline(args.model, args.dtype, requests, folder, share)
             except InvalidRequestError as error:
                 sys.exit(f"bench serve: {error}")
             stack.callback(baseline.close)

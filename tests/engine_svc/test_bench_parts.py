@@ -176,3 +176,19 @@ def test_the_memory_ceiling_is_the_fastest_stream_the_process_has(
         assert (name, rate) == ("row_gemv", 8 << 20)
     else:
         assert (name, rate) == ("read", 4 << 20)
+
+
+def test_offline_device_options_are_checked_where_they_are_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from engine_svc.bench.offline import parse_args
+
+    assert parse_args(["--model", "m", "--device", "cpu"]).device == "cpu"
+    bad = [["--device", "tpu:0"], ["--gpu-memory-utilization", "0"]]
+    if not torch.cuda.is_available():
+        bad.append(["--device", "cuda"])
+    for options in bad:
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--model", "m", *options])
+        assert exited.value.code == 2
+        assert options[0] in capsys.readouterr().err
