@@ -10,7 +10,9 @@ the model's shapes against what torch does in their place).
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 
 MODES = {
     "offline": "engine_svc.bench.offline",
@@ -29,5 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     importlib.import_module(MODES[mode]).main(args)
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (`timeout`, an operator) unwinds like Ctrl-C: the services, workers and
+    temporary folders a mode started are stopped and removed on the way out."""
+    sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     main()

@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.parent_watch import parent_environment
+
 STOP_TIMEOUT_S = 60.0
 
 
@@ -93,6 +95,9 @@ def _start(module: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: the engine's processes go with it
+            # A benchmark killed before its `finally` (SIGKILL) still stops them: they
+            # watch it and drain once it is gone (shared/parent_watch.py).
+            env=parent_environment(),
         )
 
 
