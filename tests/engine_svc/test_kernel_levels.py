@@ -30,8 +30,8 @@ KERNEL_TESTS = [
 # Greedy outputs against Hugging Face with the level's kernels: the tiny model (packed
 # projections, no vectorized attention at head_dim 16) and the default model (all paths).
 EXACTNESS_TESTS = [
-    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[all_at_once]",
-    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[chunked_prefill]",
+    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[all_at_once-cpu]",
+    "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[chunked_prefill-cpu]",
     "tests/engine_svc/test_greedy_matches_hf.py::test_default_model_greedy_matches_hf[all_at_once]",
 ]
 # x86-64 levels, best first, with the vector code each compiles (vec.h).
