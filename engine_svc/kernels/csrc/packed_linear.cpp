@@ -115,7 +115,7 @@ constexpr int64_t kGemvPrefetchSteps = 32;
 
 template <int kVecs>
 void gemv_bf16_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
-                     const float* __restrict bias, float* __restrict c, int64_t cols) {
+                     const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
   vreg even[kVecs], odd[kVecs];
   for (int v = 0; v < kVecs; ++v) even[v] = odd[v] = fvec(0.0f);
   int64_t kk = 0;
@@ -141,13 +141,16 @@ void gemv_bf16_panel(const float* __restrict a, const at::BFloat16* __restrict p
     const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
     fvec sum = fvec(even[v]) + fvec(odd[v]);
     if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
-    sum.store(c + kLanes * v, lanes);
+    // Rounded as torch's float32 -> bfloat16 conversion rounds (to nearest even, NaN kept).
+    __at_align__ float sums[kLanes];
+    sum.store(sums, lanes);
+    for (int64_t i = 0; i < lanes; ++i) c[kLanes * v + i] = static_cast<at::BFloat16>(sums[i]);
   }
 }
 
 template <int kVecs>
 void gemv_bf16(const float* a, const at::BFloat16* weights, int64_t num_blocks, int64_t k,
-               const float* bias, float* c, int64_t n) {
+               const float* bias, at::BFloat16* c, int64_t n) {
   constexpr int64_t block = kVecs * kLanes;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -160,7 +163,7 @@ void gemv_bf16(const float* a, const at::BFloat16* weights, int64_t num_blocks, 
 
 // The panel widths gemv_bf16 is compiled for (vectors per block), or false.
 bool gemv_bf16_any(int64_t vectors, const float* a, const at::BFloat16* weights,
-                   int64_t num_blocks, int64_t k, const float* bias, float* c, int64_t n) {
+                   int64_t num_blocks, int64_t k, const float* bias, at::BFloat16* c, int64_t n) {
   switch (vectors) {
     case 2: gemv_bf16<2>(a, weights, num_blocks, k, bias, c, n); return true;
     case 3: gemv_bf16<3>(a, weights, num_blocks, k, bias, c, n); return true;
@@ -173,22 +176,37 @@ bool gemv_bf16_any(int64_t vectors, const float* a, const at::BFloat16* weights,
 // no bfloat16 kernel: 1.2 GFLOP/s at 64 rows, 70x slower than float32). Half the bytes stream from memory, each panel is
 // widened to float32 in cache, and the products and sums run in float32, rounded to
 // bfloat16 once at the end, as torch's bfloat16 matmul rounds.
+// One row in bfloat16 and out in bfloat16, widened into and rounded from per-thread buffers
+// rather than float32 tensors: at a decode step's small projections (576 x 576) the three
+// conversions and their allocations took longer than the product from cache.
+bool gemv_bf16_row(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t block = packed.size(2);
+  const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
+  if (x.size(0) != 1 || vectors < 2 || vectors > 4) return false;
+  const int64_t k = packed.size(1);
+  thread_local std::vector<float> a, bias32;
+  a.resize(k);
+  widen_bf16(x.contiguous().data_ptr<at::BFloat16>(), a.data(), k);
+  if (bias.has_value()) {
+    bias32.resize(packed.size(0) * block);
+    widen_bf16(bias->data_ptr<at::BFloat16>(), bias32.data(), n);
+  }
+  out = at::empty({1, n}, x.options());
+  return gemv_bf16_any(vectors, a.data(), packed.data_ptr<at::BFloat16>(), packed.size(0), k,
+                       bias.has_value() ? bias32.data() : nullptr,
+                       out.data_ptr<at::BFloat16>(), n);
+}
+
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                               const std::optional<at::Tensor>& bias) {
+  at::Tensor row_out;
+  if (gemv_bf16_row(x, packed, n, bias, row_out)) return row_out;
   const at::Tensor a = x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bias32 =
       bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous())
                        : std::nullopt;
   auto out = at::empty({a.size(0), n}, a.options());
-  const int64_t block = packed.size(2);
-  const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
-  if (a.size(0) == 1 &&
-      gemv_bf16_any(vectors, a.data_ptr<float>(), packed.data_ptr<at::BFloat16>(),
-                    packed.size(0), packed.size(1),
-                    bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
-                    out.data_ptr<float>(), n)) {
-    return out.to(at::kBFloat16);
-  }
   if (a.size(0) > 0) {
     brgemm_rows(a.data_ptr<float>(), a.stride(0), a.size(0),
                 packed.data_ptr<at::BFloat16>(),
