@@ -4,8 +4,8 @@
 # machine reaches no registry: the command carries the wheels of the packages its image lacks
 # (.whl), the generated protobuf code (gen) and the default model's small files (.gpu/model-src,
 # from which random_default_model.py builds the model's shape with random weights).
-# Logs land in $OUT (or ./gpu-out). Arguments name the steps to run (default: all).
-#     bash tests/gpu/device_check.sh [pytest] [offline_bf16] [serve_bf16] [offline_fp32]
+# Logs land in $OUT (or ./gpu-out). Arguments name the steps to run (default: all but profile).
+#     bash tests/gpu/device_check.sh [pytest] [offline_bf16] [serve_bf16] [offline_fp32] [profile]
 set -u
 STEPS=" ${*:-pytest offline_bf16 serve_bf16 offline_fp32} "
 OUT=${OUT:-gpu-out}
@@ -38,3 +38,4 @@ step serve_bf16 110 python3 -m engine_svc.bench serve --model "$MODEL" --dtype b
     --num-prompts 64 --max-concurrency 64,64,64 --against-offline --skip-ceilings --no-progress
 step offline_fp32 120 python3 -m engine_svc.bench offline --model "$MODEL" --dtype float32 \
     --device cuda --skip-structured --rounds 2
+step profile 120 python3 tests/gpu/profile_steps.py "$MODEL"
