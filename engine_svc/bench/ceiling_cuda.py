@@ -33,6 +33,8 @@ def _gemm_flops(dtype: torch.dtype, device: torch.device, size: int = GEMM_SIZE)
 
 
 def _copy_bytes_per_s(device: torch.device, num_bytes: int = COPY_BYTES) -> float:
+    # Two buffers: at most a quarter of the free memory each on a small card.
+    num_bytes = min(num_bytes, torch.cuda.mem_get_info(device)[0] // 4)
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     return 2 * num_bytes / _best_seconds(lambda: dst.copy_(src), device)

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine_svc.bench import ceiling, machine
+from engine_svc.bench.ceiling_cuda import describe_device, measure_cuda_ceilings
 from engine_svc.bench.metrics import RequestRecord, Summary, format_table, summarize
 from engine_svc.bench.workload import (
     BenchRequest,
@@ -147,12 +148,19 @@ async def run_load(
         bar.close()
 
 
-def measure_ceilings(args: argparse.Namespace) -> ceiling.Ceilings | None:
-    """The machine, and its ceilings unless --skip-ceilings: before any load, while quiet."""
-    print(machine.describe(DTYPES[args.dtype]))
+def measure_ceilings(
+    args: argparse.Namespace, device: torch.device | None = None
+) -> ceiling.Ceilings | None:
+    """The machine, and its ceilings unless --skip-ceilings: before any load, while quiet;
+    a CUDA `device`'s where the engine runs on one."""
+    cuda = device if device is not None and device.type == "cuda" else None
+    print(describe_device(cuda) if cuda else machine.describe(DTYPES[args.dtype]))
     if args.skip_ceilings:
         return None
-    ceilings = ceiling.measure_ceilings(DTYPES[args.dtype])
+    if cuda is not None:
+        ceilings = measure_cuda_ceilings(DTYPES[args.dtype], cuda)
+    else:
+        ceilings = ceiling.measure_ceilings(DTYPES[args.dtype])
     print(f"ceilings: GEMM {ceilings.flops_per_s / 1e9:.1f} GFLOP/s ({args.dtype}, "
           f"{ceilings.gemm}), memory {ceilings.bytes_per_s / 1e9:.1f} GB/s "
           f"({ceilings.memory})")  # fmt: skip

@@ -46,6 +46,9 @@ from engine_svc.bench.worker import Worker, serve, serve_workload, write_workloa
 from engine_svc.worker.model_runner import resolve_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Our engine's share of a CUDA device's memory: alone on it, or beside the other systems.
+ALONE_SHARE = 0.9
+SHARED_SHARE = 0.45
 
 # Runs prompts (token ids) to a fixed number of new tokens; returns the new tokens.
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
@@ -123,7 +126,8 @@ def measure_structured(args: argparse.Namespace) -> Summary:
     from engine_svc import LLM
     from engine_svc.bench.structured import compare
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_kv_blocks=1024)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, num_kv_blocks=1024,
+              device=args.device, gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     try:
         figures = compare(llm)
     finally:
@@ -157,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="our engine's share of the accelerator's memory (weights, activations, KV cache)",
+        default=None,
+        help="our engine's share of the accelerator's memory (weights, activations, KV "
+        f"cache); default {ALONE_SHARE} alone, {SHARED_SHARE} beside Hugging Face or vLLM on it",
     )
     parser.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, help="our engine's worker ranks"
@@ -203,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--vllm-python {args.vllm_python}: not an executable file")
     if args.rounds < 1:
         parser.error("need --rounds >= 1")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+    if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("need 0 < --gpu-memory-utilization <= 1")
     try:
         device = resolve_device(args.device)
@@ -213,6 +218,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: torch sees no CUDA device here")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {args.device}: cpu or cuda")
+    if args.gpu_memory_utilization is None:
+        # Every system stays loaded while the rounds alternate: on one GPU they share it.
+        alone = args.skip_hf and not args.vllm_python
+        args.gpu_memory_utilization = ALONE_SHARE if alone else SHARED_SHARE
     if not 1 <= args.min_len <= args.max_len:
         parser.error("need 1 <= --min-len <= --max-len")
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
@@ -286,7 +295,8 @@ def _vllm_worker(args: argparse.Namespace, workload: Workload, folder: Path) -> 
     """vLLM in its own environment's Python, on the same token ids (vllm_worker.py)."""
     path = folder / "workload.json"
     write_workload(path, workload.prompts, workload.single_prompt, workload.output_len)
-    command = vllm_worker.command(args.vllm_python, args.model, args.dtype, args.seed, path)
+    command = vllm_worker.command(args.vllm_python, args.model, args.dtype, args.seed, path,
+                                  gpu_memory_utilization=SHARED_SHARE)  # fmt: skip
     return Worker(command, env=vllm_worker.environment())
 
 

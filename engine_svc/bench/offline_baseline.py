@@ -26,6 +26,7 @@ class OfflineBaseline:
         dtype: str,
         requests: list[BenchRequest],
         folder: Path,
+        device: str = "auto",
         gpu_memory_utilization: float | None = None,
     ):
         prompts = [r.prompt_token_ids for r in requests]
@@ -41,7 +42,8 @@ class OfflineBaseline:
         write_workload(path, ids, ids[0], output_len)
         self.output_tokens = len(ids) * output_len
         command = [sys.executable, "-m", "engine_svc.bench", "offline", "--model", model,
-                   "--dtype", dtype, "--system", "ours", "--workload-file", str(path)]  # fmt: skip
+                   "--dtype", dtype, "--device", device, "--system", "ours",
+                   "--workload-file", str(path)]  # fmt: skip
         if gpu_memory_utilization is not None:
             command.append(f"--gpu-memory-utilization={gpu_memory_utilization}")
         self.worker = Worker(command)

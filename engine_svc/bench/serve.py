@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from engine_svc.bench.load import (
     DTYPES,
@@ -44,6 +45,7 @@ from engine_svc.bench.metrics import RequestRecord
 from engine_svc.bench.offline_baseline import OfflineBaseline, overall
 from engine_svc.bench.services import Addresses, started
 from engine_svc.bench.workload import BenchRequest
+from engine_svc.worker.model_runner import resolve_device
 from shared.errors import InvalidRequestError
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
@@ -54,6 +56,8 @@ STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per conn
 # With --against-offline on one CUDA device, the served engine and the offline worker each
 # take this share of its memory (the default 0.9 each would not fit both).
 SHARED_GPU_MEMORY_UTILIZATION = 0.45
+ENGINE_MAX_SHARE = 0.9  # what the two together may take at most
+MIN_OFFLINE_SHARE = 0.05
 
 
 def parse_args(
@@ -160,19 +164,41 @@ def services(args: argparse.Namespace) -> Iterator[Addresses]:
             yield addresses
 
 
-def _share_accelerator(args: argparse.Namespace) -> float | None:
-    """The share of a CUDA device's memory the offline worker takes beside services this
-    bench starts there (whose engine gets the same share unless --engine-arg sets one); None
-    on CPU, where the host's budget applies."""
-    import torch
+def _engine_flag(args: argparse.Namespace, flag: str) -> str | None:
+    """A flag's value among the --engine-arg items: `--flag=value`, or `--flag` then `value`."""
+    items = args.engine_arg
+    for i, item in enumerate(items):
+        if item.startswith(flag + "="):
+            return str(item.split("=", 1)[1])
+        if item == flag and i + 1 < len(items):
+            return str(items[i + 1])
+    return None
 
-    if not torch.cuda.is_available() or any("--device=cpu" in a for a in args.engine_arg):
+
+def _engine_device(args: argparse.Namespace) -> torch.device:
+    """The started engine's device (its --device, else CUDA where torch sees one)."""
+    return resolve_device(_engine_flag(args, "--device") or "auto")
+
+
+def _offline_memory_share(args: argparse.Namespace) -> float | None:
+    """The offline worker's share of a CUDA device it shares with the served engine (None on
+    CPU, where the host's budget applies). The engine started here gets the same share unless
+    --engine-arg sets one; the worker then takes what is left below ENGINE_MAX_SHARE."""
+    if _engine_device(args).type != "cuda":
         return None
-    if args.frontend_address is None and not any(
-        a.startswith("--gpu-memory-utilization") for a in args.engine_arg
-    ):
-        args.engine_arg.append(f"--gpu-memory-utilization={SHARED_GPU_MEMORY_UTILIZATION}")
-    return SHARED_GPU_MEMORY_UTILIZATION
+    given = _engine_flag(args, "--gpu-memory-utilization")
+    if given is None:
+        if args.frontend_address is None:
+            args.engine_arg.append(f"--gpu-memory-utilization={SHARED_GPU_MEMORY_UTILIZATION}")
+        return SHARED_GPU_MEMORY_UTILIZATION
+    share = min(SHARED_GPU_MEMORY_UTILIZATION, ENGINE_MAX_SHARE - float(given))
+    if share < MIN_OFFLINE_SHARE:
+        raise InvalidRequestError(
+            "engine_arg",
+            f"--gpu-memory-utilization={given} leaves the offline worker under "
+            f"{MIN_OFFLINE_SHARE} of the GPU beside it (--against-offline)",
+        )
+    return share
 
 
 def main(argv: list[str]) -> None:
@@ -181,14 +207,16 @@ def main(argv: list[str]) -> None:
         requests = make_requests(args, vocab_size_of(args.model))
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench serve: {error}")
-    ceilings = measure_ceilings(args)  # before the services start: the machine is quiet
+    # Before the services start, while the machine is quiet; the engine's device's.
+    ceilings = measure_ceilings(args, None if args.frontend_address else _engine_device(args))
     with contextlib.ExitStack() as stack:
         baseline = None
         if args.against_offline:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            share = _share_accelerator(args)
             try:
-                baseline = OfflineBaseline(args.model, args.dtype, requests, folder, share)
+                share = _offline_memory_share(args)
+                device = _engine_flag(args, "--device") or "auto"
+                baseline = OfflineBaseline(args.model, args.dtype, requests, folder, device, share)
             except InvalidRequestError as error:
                 sys.exit(f"bench serve: {error}")
             stack.callback(baseline.close)

@@ -25,9 +25,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def command(python: str, model: str, dtype: str, seed: int, workload: Path) -> list[str]:
+def command(
+    python: str, model: str, dtype: str, seed: int, workload: Path,
+    gpu_memory_utilization: float = 0.9,
+) -> list[str]:  # fmt: skip
     return [python, "-m", "engine_svc.bench.vllm_worker", "--model", model, "--dtype", dtype,
-            "--seed", str(seed), "--workload", str(workload)]  # fmt: skip
+            "--seed", str(seed), "--workload", str(workload),
+            "--gpu-memory-utilization", str(gpu_memory_utilization)]  # fmt: skip
 
 
 def environment() -> dict[str, str]:
@@ -37,10 +41,14 @@ def environment() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_system(model: str, dtype: str, seed: int) -> Iterator[GenerateFn]:
+def vllm_system(
+    model: str, dtype: str, seed: int, gpu_memory_utilization: float
+) -> Iterator[GenerateFn]:
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found, unused-ignore]
 
-    llm: Any = LLM(model=model, dtype=dtype, seed=seed)
+    # On a GPU, its share beside our engine's (a CPU build reads its own KV-space setting).
+    llm: Any = LLM(model=model, dtype=dtype, seed=seed,
+                   gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         llm.reset_prefix_cache()  # each timed run starts cold, as ours and Hugging Face's do
@@ -58,8 +66,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", required=True, help="the JSON file the parent wrote")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args()
-    system = functools.partial(vllm_system, args.model, args.dtype, args.seed)
+    system = functools.partial(
+        vllm_system, args.model, args.dtype, args.seed, args.gpu_memory_utilization
+    )
     serve_workload(system, Path(args.workload))
 
 

@@ -96,7 +96,8 @@ def test_bench_runs_every_system_and_reports_every_figure(
 
 
 def _check_the_vllm_system(summary: dict, stdout: str, calls: list[dict], model: Path) -> None:
-    assert calls[0] == {"init": {"model": str(model), "dtype": "float32", "seed": 0}}
+    init = {"model": str(model), "dtype": "float32", "seed": 0, "gpu_memory_utilization": 0.45}
+    assert calls[0] == {"init": init}
     generations = [call for call in calls if "prompts" in call]
     # warm-up; per round the batch then the single request; then 3 times to one token
     assert [len(call["prompts"]) for call in generations] == [1, 3, 1, 3, 1, 1, 1, 1]

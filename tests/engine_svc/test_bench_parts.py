@@ -192,3 +192,28 @@ def test_offline_device_options_are_checked_where_they_are_read(
             parse_args(["--model", "m", *options])
         assert exited.value.code == 2
         assert options[0] in capsys.readouterr().err
+
+
+def test_serve_against_offline_splits_one_gpu_between_engine_and_offline_worker() -> None:
+    from engine_svc.bench.serve import _engine_flag, _offline_memory_share, parse_args
+
+    def options(*engine_args: str) -> list[str]:
+        return ["--model", "m", "--against-offline", *(f"--engine-arg={a}" for a in engine_args)]
+
+    # Both forms of a flag are read.
+    args = parse_args(options("--device", "cuda:1", "--gpu-memory-utilization=0.3"))
+    assert _engine_flag(args, "--device") == "cuda:1"
+    assert _engine_flag(args, "--gpu-memory-utilization") == "0.3"
+    assert _offline_memory_share(args) == 0.45  # 0.3 + 0.45 fits under 0.9
+    assert _offline_memory_share(
+        parse_args(options("--device=cuda", "--gpu-memory-utilization", "0.8"))
+    ) == pytest.approx(0.1)
+    # The engine started here gets the same share unless told otherwise.
+    args = parse_args(options("--device=cuda"))
+    assert _offline_memory_share(args) == 0.45
+    assert "--gpu-memory-utilization=0.45" in args.engine_arg
+    with pytest.raises(InvalidRequestError, match=r"gpu-memory-utilization=0\.88"):
+        _offline_memory_share(parse_args(options("--device=cuda", "--gpu-memory-utilization=0.88")))
+    # On CPU the host's budget applies: no share.
+    args = parse_args(options("--device=cpu"))
+    assert _offline_memory_share(args) is None and args.engine_arg == ["--device=cpu"]

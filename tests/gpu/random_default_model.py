@@ -11,6 +11,7 @@ Speeds measured on it are the real model's (same shapes); its greedy tokens are 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -18,11 +19,16 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared.model_store import default_model_dir
+from shared.model_store import default_model_dir, is_complete_model_dir
 
 
 def main(source: Path) -> Path:
     target = default_model_dir()
+    # Random weights must never stand in for the real model in a user's cache.
+    if not os.environ.get("DUOSERVE_CACHE"):
+        sys.exit("set DUOSERVE_CACHE to a scratch folder: the model goes where it points")
+    if is_complete_model_dir(target):
+        sys.exit(f"{target} already holds a model; not replaced")
     target.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(source)
     torch.manual_seed(0)
@@ -30,7 +36,8 @@ def main(source: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(target)
     for path in source.iterdir():
-        if path.is_file() and not path.name.endswith(".safetensors") and path.name != "config.json":
+        weights = path.name.endswith((".safetensors", ".safetensors.index.json"))
+        if path.is_file() and not weights and path.name != "config.json":
             shutil.copy(path, target / path.name)
     return target
 
