@@ -66,6 +66,10 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrency", default="",
         help="at most this many requests in flight; a comma list sweeps")  # fmt: skip
     add("--seed", type=int, default=0)
+    add("--num-warmups", type=int, default=0,
+        help="the workload's first N requests run once, untimed, at the first run's "
+        "concurrency, before the runs (vLLM bench serve's option): a fresh engine's first "
+        "batch of that size touches new KV pages and allocator memory")  # fmt: skip
     add("--result-file", type=Path, help="write every figure as JSON here")
     add("--plot", type=Path, help="PNG of throughput against latency")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -85,6 +89,8 @@ def check_load_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--dataset jsonl needs --dataset-path")
     if min(args.num_prompts, args.output_len, args.input_len) < 1:
         parser.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.num_warmups < 0:
+        parser.error("--num-warmups must be >= 0")
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int | None) -> list[BenchRequest]:
@@ -192,6 +198,9 @@ def sweep(
 
     warm_up = short_request(requests[0], 4)
     asyncio.run(load(math.inf, None, [warm_up], False))
+    if args.num_warmups:
+        print(f"warming up: {args.num_warmups} requests at the first run's concurrency, untimed")
+        asyncio.run(load(math.inf, args.concurrencies[0], requests[: args.num_warmups], False))
     runs: list[Summary] = []
     for rate, concurrency in itertools.product(args.request_rates, args.concurrencies):
         before_run()

@@ -127,7 +127,7 @@ def test_bench_serve_sweeps_through_the_started_services(
         "--dataset", "shared-prefix", "--num-groups", "2", "--num-prompts", "6",
         "--prefix-len", "32", "--suffix-len", "8", "--output-len", "5",
         "--max-concurrency", "6,1", "--engine-arg=--num-kv-blocks=256", "--skip-ceilings",
-        "--no-progress", "--result-file", str(result), "--plot", str(plot),
+        "--no-progress", "--result-file", str(result), "--plot", str(plot), "--num-warmups", "3",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -150,6 +150,8 @@ def test_bench_serve_sweeps_through_the_started_services(
     # (2 groups x 2 later requests x 32 tokens), its first does not: the cache was emptied
     # after the concurrent run, which had cached both prefixes.
     assert sequential["cached_input_tokens"] == 2 * 2 * 32
+    # The warm-up's requests ran before the first run and were counted in none.
+    assert "warming up: 3 requests at the first run's concurrency, untimed" in done.stdout
     assert "Successful requests:" in done.stdout and f"machine: {bench_machine.cpu_model()}" in (
         done.stdout
     )
