@@ -43,7 +43,7 @@ from engine_svc.bench.load import (
 )
 from engine_svc.bench.metrics import RequestRecord
 from engine_svc.bench.offline_baseline import OfflineBaseline, overall
-from engine_svc.bench.services import Addresses, started
+from engine_svc.bench.services import Addresses, started, wait_kv_cache_faulted_in
 from engine_svc.bench.workload import BenchRequest
 from engine_svc.worker.model_runner import resolve_device
 from shared.errors import InvalidRequestError
@@ -161,6 +161,7 @@ def services(args: argparse.Namespace) -> Iterator[Addresses]:
         began = time.perf_counter()
         with started(args.model, engine_args, Path(logs), args.start_timeout) as addresses:
             print(f"both SERVING after {time.perf_counter() - began:.1f} s")
+            wait_kv_cache_faulted_in(Path(logs) / "engine.log", args.start_timeout)
             yield addresses
 
 

@@ -82,6 +82,10 @@ def populate_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
     native code while the interpreter finalizes aborted the exit ("terminate called without
     an active exception", exit status 134)."""
     tensors = list(tensors)
+    logger.info(
+        "KV cache faulting in: %.2f GiB in the background",
+        sum(t.untyped_storage().nbytes() for t in tensors) / (1 << 30),
+    )
 
     def run() -> None:
         with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
