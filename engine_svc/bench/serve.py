@@ -42,6 +42,7 @@ from engine_svc.bench.load import (
     vocab_size_of,
 )
 from engine_svc.bench.metrics import RequestRecord
+from engine_svc.bench.offline import ALONE_SHARE, SHARED_SHARE
 from engine_svc.bench.offline_baseline import OfflineBaseline, overall
 from engine_svc.bench.services import Addresses, started, wait_kv_cache_faulted_in
 from engine_svc.bench.workload import BenchRequest
@@ -54,9 +55,10 @@ from shared.protos import engine_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per connection
 # With --against-offline on one CUDA device, the served engine and the offline worker each
-# take this share of its memory (the default 0.9 each would not fit both).
-SHARED_GPU_MEMORY_UTILIZATION = 0.45
-ENGINE_MAX_SHARE = 0.9  # what the two together may take at most
+# take offline mode's shared share of its memory (the default 0.9 each would not fit both),
+# the two together at most what one engine takes alone.
+SHARED_GPU_MEMORY_UTILIZATION = SHARED_SHARE
+ENGINE_MAX_SHARE = ALONE_SHARE
 MIN_OFFLINE_SHARE = 0.05
 
 
@@ -216,7 +218,7 @@ def main(argv: list[str]) -> None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             try:
                 share = _offline_memory_share(args)
-                device = _engine_flag(args, "--device") or "auto"
+                device = str(_engine_device(args))
                 baseline = OfflineBaseline(args.model, args.dtype, requests, folder, device, share)
             except InvalidRequestError as error:
                 sys.exit(f"bench serve: {error}")
