@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_svc.bench import machine, options
-from engine_svc.bench.load import DTYPES
+from engine_svc.bench.hardware import DTYPES
 from engine_svc.kernels import (
     cpu_kernels_available,
     paged_decode_attention,

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from engine_svc.bench import ceiling, machine
-from engine_svc.bench.ceiling_cuda import describe_device, measure_cuda_ceilings
+from engine_svc.bench import ceiling, hardware, machine
+from engine_svc.bench.hardware import DTYPES
 from engine_svc.bench.metrics import RequestRecord, Summary, format_table, summarize
 from engine_svc.bench.workload import (
     BenchRequest,
@@ -31,8 +31,6 @@ from engine_svc.bench.workload import (
     shared_prefix_requests,
 )
 from shared.errors import InvalidRequestError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StreamError(Exception):
@@ -159,14 +157,11 @@ def measure_ceilings(
 ) -> ceiling.Ceilings | None:
     """The machine, and its ceilings unless --skip-ceilings: before any load, while quiet;
     a CUDA `device`'s where the engine runs on one."""
-    cuda = device if device is not None and device.type == "cuda" else None
-    print(describe_device(cuda) if cuda else machine.describe(DTYPES[args.dtype]))
+    device = torch.device("cpu") if device is None else device
+    print(hardware.describe(device, DTYPES[args.dtype]))
     if args.skip_ceilings:
         return None
-    if cuda is not None:
-        ceilings = measure_cuda_ceilings(DTYPES[args.dtype], cuda)
-    else:
-        ceilings = ceiling.measure_ceilings(DTYPES[args.dtype])
+    ceilings = hardware.measure_ceilings(device, DTYPES[args.dtype])
     print(f"ceilings: GEMM {ceilings.flops_per_s / 1e9:.1f} GFLOP/s ({args.dtype}, "
           f"{ceilings.gemm}), memory {ceilings.bytes_per_s / 1e9:.1f} GB/s "
           f"({ceilings.memory})")  # fmt: skip

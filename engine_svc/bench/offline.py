@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine_svc.bench import ceiling, machine, vllm_worker
+from engine_svc.bench import ceiling, hardware, machine, vllm_worker
 from engine_svc.bench.alternating import (
     Summary,
     Workload,
@@ -41,11 +41,9 @@ from engine_svc.bench.alternating import (
     print_table,
     summarize,
 )
-from engine_svc.bench.ceiling_cuda import describe_device, measure_cuda_ceilings
 from engine_svc.bench.worker import Worker, serve, serve_workload, write_workload
 from engine_svc.worker.model_runner import resolve_device
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Our engine's share of a CUDA device's memory: alone on it, or beside the other systems.
 ALONE_SHARE = 0.9
 SHARED_SHARE = 0.45
@@ -88,8 +86,8 @@ def engine_system(args: argparse.Namespace, num_threads: int) -> Iterator[Genera
 def hf_system(args: argparse.Namespace) -> Iterator[GenerateFn]:
     from transformers import AutoModelForCausalLM
 
-    device = resolve_device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype])
+    device = args.torch_device
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=hardware.DTYPES[args.dtype])
     model = model.to(device).eval()  # type: ignore[arg-type]
     pad_id = model.config.pad_token_id
     if pad_id is None:
@@ -149,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=192)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(hardware.DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -211,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gpu_memory_utilization is not None and not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("need 0 < --gpu-memory-utilization <= 1")
     try:
-        device = resolve_device(args.device)
+        args.torch_device = device = resolve_device(args.device)
     except RuntimeError as error:
         parser.error(f"--device {args.device}: {error}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_here(args)
         return
     machine.apply_isa_cap(args.isa, ["-m", "engine_svc.bench", "offline", *args.argv])
-    device = resolve_device(args.device)
+    device = args.torch_device
     on_cpu = device.type == "cpu"
     if (
         on_cpu
@@ -266,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
             for worker in workers.values():
                 worker.close()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    ceilings = _measure_ceilings(_DTYPES[args.dtype], device)
-    bytes_per_param = torch.tensor([], dtype=_DTYPES[args.dtype]).element_size()
+    ceilings = hardware.measure_ceilings(device, hardware.DTYPES[args.dtype])
+    bytes_per_param = torch.tensor([], dtype=hardware.DTYPES[args.dtype]).element_size()
     summary = summarize(
         workload, results, ceilings, ceiling.count_parameters(args.model), bytes_per_param
     )
@@ -275,20 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     summary |= machine.identity()
     summary |= {"tensor_parallel_size": args.tensor_parallel_size,
                 "pipeline_parallel_size": args.pipeline_parallel_size}  # fmt: skip
-    if on_cpu:
-        print(machine.describe(_DTYPES[args.dtype]))
-    else:
+    if not on_cpu:
         summary |= {"device": torch.cuda.get_device_name(device)}
-        print(describe_device(device))
+    print(hardware.describe(device, hardware.DTYPES[args.dtype]))
     print_table(summary, args.dtype)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
-
-
-def _measure_ceilings(dtype: torch.dtype, device: torch.device) -> ceiling.Ceilings:
-    if device.type == "cuda":
-        return measure_cuda_ceilings(dtype, device)
-    # Measured twice: on a shared machine one of the two may be contended.
-    return ceiling.measure_ceilings(dtype).best(ceiling.measure_ceilings(dtype))
 
 
 def _vllm_worker(args: argparse.Namespace, workload: Workload, folder: Path) -> Worker:

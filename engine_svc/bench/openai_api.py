@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_svc.bench import load
+from engine_svc.bench import hardware, load
 from engine_svc.bench.metrics import RequestRecord
 from engine_svc.bench.serve import reset_prefix_cache
 from engine_svc.bench.workload import BenchRequest
@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--model", help="the model's directory: its vocabulary, and MFU/MBU's parameters")
     add("--served-model-name", help="the `model` field to send (default: the server's first)")
     add("--engine-address", help="our engine behind it, to empty the prefix cache between runs")
-    add("--dtype", choices=sorted(load.DTYPES), default="float32", help="the ceilings' dtype")
+    add("--dtype", choices=sorted(hardware.DTYPES), default="float32", help="the ceilings' dtype")
     add("--skip-ceilings", action="store_true", help="no GEMM and copy ceilings (MFU, MBU)")
     add("--prompt-ids", action="store_true", help="send token ids, not their text")
     load.add_load_arguments(parser)

@@ -26,7 +26,8 @@ import grpc
 import numpy as np
 
 from engine_svc.bench import machine
-from engine_svc.bench.load import DTYPES, vocab_size_of
+from engine_svc.bench.hardware import DTYPES
+from engine_svc.bench.load import vocab_size_of
 from engine_svc.bench.serve import request_message, reset_prefix_cache, services
 from engine_svc.bench.workload import BenchRequest
 from shared.frontend_protos import frontend_pb2_grpc

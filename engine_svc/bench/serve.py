@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 import torch
 
+from engine_svc.bench.hardware import DTYPES
 from engine_svc.bench.load import (
-    DTYPES,
     StreamError,
     add_load_arguments,
     check_load_arguments,

@@ -23,7 +23,8 @@ from typing import Any
 
 from engine_svc.bench import machine, options
 from engine_svc.bench.alternating import make_workload
-from engine_svc.bench.load import DTYPES, vocab_size_of
+from engine_svc.bench.hardware import DTYPES
+from engine_svc.bench.load import vocab_size_of
 from engine_svc.core.sched.output import SchedulerOutput
 
 DECODE_PARTS = ("forward", "logits", "sampling")
