@@ -32,11 +32,13 @@ def write_workload(
 
 
 def serve_workload(
-    system: Callable[[], contextlib.AbstractContextManager[Any]], path: Path
+    system: Callable[[], contextlib.AbstractContextManager[Any]],
+    path: Path,
+    settle: Callable[[], None] | None = None,
 ) -> None:
     """`serve` on the workload write_workload put in `path`."""
     workload = json.loads(path.read_text())
-    serve(system, workload["prompts"], workload["single_prompt"], workload["output_len"])
+    serve(system, workload["prompts"], workload["single_prompt"], workload["output_len"], settle)
 
 
 def serve(
@@ -44,14 +46,18 @@ def serve(
     prompts: list[list[int]],
     single_prompt: list[int],
     output_len: int,
+    settle: Callable[[], None] | None = None,
 ) -> None:
-    """Start the system, warm it up, then answer commands until `quit` or end of input:
-    `batch` (all prompts to `output_len` new tokens), `single` (one prompt alone), `ttft`
-    (the same prompt to one token)."""
+    """Start the system, warm it up (and `settle` it: what it still does in the background
+    after start-up, finished before any timed command), then answer commands until `quit`
+    or end of input: `batch` (all prompts to `output_len` new tokens), `single` (one prompt
+    alone), `ttft` (the same prompt to one token)."""
     began = time.perf_counter()
     with system() as generate:
         _answer({"start_s": time.perf_counter() - began})
         generate([single_prompt[:8]], 4)
+        if settle is not None:
+            settle()
         for line in sys.stdin:
             command = line.strip()
             if command == "batch":

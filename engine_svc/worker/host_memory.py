@@ -109,6 +109,18 @@ _STOP_POPULATING = threading.Event()
 _populating: set[threading.Thread] = set()
 
 
+def wait_populated(timeout_s: float) -> bool:
+    """Until the KV caches this process populates in the background are mapped in, at most
+    `timeout_s`: for a measurement that must not run beside the faulting (a benchmark's
+    timed rounds). The caller's waiting leaves the cores idle, so the idle-priority threads
+    get them. True if none is left populating. Caches of engine cores in other processes
+    are not seen here."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_populating):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in _populating)
+
+
 @atexit.register
 def _stop_populating() -> None:
     """Stop the populating threads and wait for them. Each checks the stop flag before every

@@ -17,6 +17,7 @@ from engine_svc.worker.host_memory import (
     keep_freed_activations,
     populate,
     populate_in_background,
+    wait_populated,
     zeroed_host_tensor,
 )
 
@@ -94,6 +95,30 @@ def test_populating_in_the_background_maps_every_page_at_idle_priority(
     tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32) for _ in range(2)]
     populate_in_background(tensors).join(timeout=60)
     assert policies == [os.SCHED_IDLE]  # it runs only on a core the engine leaves idle
+    assert all(_resident_pages(t) == -(-t.untyped_storage().nbytes() // mmap.PAGESIZE)
+               for t in tensors)  # fmt: skip
+
+
+def test_waiting_for_the_background_population_returns_once_every_page_is_mapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a benchmark does before its timed rounds. The population is held at its first
+    chunk until the test lets it go, so the waits see it unfinished, then finished."""
+    go = threading.Event()
+    populate_now = host_memory.populate
+
+    def held(tensors: list[torch.Tensor], stop: threading.Event | None = None) -> bool:
+        assert go.wait(timeout=60)
+        return populate_now(tensors, stop)
+
+    monkeypatch.setattr(host_memory, "populate", held)
+    tensors = [zeroed_host_tensor((100, 3, 1000), torch.float32) for _ in range(2)]
+    thread = populate_in_background(tensors)
+    assert wait_populated(0.0) is False  # held: still populating, the wait bounded
+    assert _resident_pages(tensors[0]) == 0
+    go.set()
+    assert wait_populated(60.0) is True
+    assert not thread.is_alive()
     assert all(_resident_pages(t) == -(-t.untyped_storage().nbytes() // mmap.PAGESIZE)
                for t in tensors)  # fmt: skip
 
