@@ -326,7 +326,7 @@ def _run_here(args: argparse.Namespace) -> None:
 
 def _kv_cache_mapped_in() -> None:
     """Our timed rounds start once the engine's KV cache is mapped in: a CPU engine serves
-    while an idle-priority thread faults its pages in (host_memory.py), 7-8 s after start on
+    while an idle-priority thread faults its pages in (host_memory.py), 7-21 s after start on
     a fresh 2-core VM, and a batch run beside it read 8-10% slow (290 against 313-322 tokens/s,
     `--rounds 1`; 315-328 once it waited). Start-up is timed before this, as a user meets it."""
     from engine_svc.worker.host_memory import wait_populated
