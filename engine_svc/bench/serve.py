@@ -55,10 +55,8 @@ from shared.protos import engine_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64  # below gRPC's default 100 concurrent streams per connection
 # With --against-offline on one CUDA device, the served engine and the offline worker each
-# take offline mode's shared share of its memory (the default 0.9 each would not fit both),
-# the two together at most what one engine takes alone.
-SHARED_GPU_MEMORY_UTILIZATION = SHARED_SHARE
-ENGINE_MAX_SHARE = ALONE_SHARE
+# take offline mode's SHARED_SHARE of its memory (the default 0.9 each would not fit both),
+# the two together at most ALONE_SHARE, what one engine takes alone.
 MIN_OFFLINE_SHARE = 0.05
 
 
@@ -183,18 +181,21 @@ def _engine_device(args: argparse.Namespace) -> torch.device:
     return resolve_device(_engine_flag(args, "--device") or "auto")
 
 
-def _offline_memory_share(args: argparse.Namespace) -> float | None:
+def _offline_memory_share(
+    args: argparse.Namespace, device: torch.device | None = None
+) -> float | None:
     """The offline worker's share of a CUDA device it shares with the served engine (None on
     CPU, where the host's budget applies). The engine started here gets the same share unless
-    --engine-arg sets one; the worker then takes what is left below ENGINE_MAX_SHARE."""
-    if _engine_device(args).type != "cuda":
+    --engine-arg sets one; the worker then takes what is left below ALONE_SHARE. `device`:
+    the engine's, when already resolved."""
+    if (device or _engine_device(args)).type != "cuda":
         return None
     given = _engine_flag(args, "--gpu-memory-utilization")
     if given is None:
         if args.frontend_address is None:
-            args.engine_arg.append(f"--gpu-memory-utilization={SHARED_GPU_MEMORY_UTILIZATION}")
-        return SHARED_GPU_MEMORY_UTILIZATION
-    share = min(SHARED_GPU_MEMORY_UTILIZATION, ENGINE_MAX_SHARE - float(given))
+            args.engine_arg.append(f"--gpu-memory-utilization={SHARED_SHARE}")
+        return SHARED_SHARE
+    share = min(SHARED_SHARE, ALONE_SHARE - float(given))
     if share < MIN_OFFLINE_SHARE:
         raise InvalidRequestError(
             "engine_arg",
@@ -210,16 +211,18 @@ def main(argv: list[str]) -> None:
         requests = make_requests(args, vocab_size_of(args.model))
     except (InvalidRequestError, OSError) as error:
         sys.exit(f"bench serve: {error}")
+    engine_device = _engine_device(args)
     # Before the services start, while the machine is quiet; the engine's device's.
-    ceilings = measure_ceilings(args, None if args.frontend_address else _engine_device(args))
+    ceilings = measure_ceilings(args, None if args.frontend_address else engine_device)
     with contextlib.ExitStack() as stack:
         baseline = None
         if args.against_offline:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             try:
-                share = _offline_memory_share(args)
-                device = str(_engine_device(args))
-                baseline = OfflineBaseline(args.model, args.dtype, requests, folder, device, share)
+                share = _offline_memory_share(args, engine_device)
+                baseline = OfflineBaseline(
+                    args.model, args.dtype, requests, folder, str(engine_device), share
+                )
             except InvalidRequestError as error:
                 sys.exit(f"bench serve: {error}")
             stack.callback(baseline.close)
