@@ -202,3 +202,18 @@ def test_an_untied_head_in_nn_linear_layout_is_packed_in_place_of_its_weight() -
     head.pack()
     assert not hasattr(head, "weight")  # one copy of the weights, not two
     assert (head(x) - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("vectors", [2, 3, 4])
+def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(vectors: int) -> None:
+    """A lone request's decode step (one row: the register tile on AVX-512, a GEMV elsewhere)
+    sums in the order a batch's rows are summed in (the tile, or brgemm), so a greedy request
+    picks the same tokens alone as beside others."""
+    weight, bias = _weights(200, 576)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
+    batch = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+    for with_bias in (None, bias):
+        together = torch.ops.duoserve.packed_linear(batch, packed, 200, with_bias)
+        for row in range(5):
+            alone = torch.ops.duoserve.packed_linear(batch[row : row + 1], packed, 200, with_bias)
+            assert torch.equal(alone[0], together[row])

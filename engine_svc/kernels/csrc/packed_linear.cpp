@@ -10,10 +10,11 @@
 // one source for AVX-512, AVX2 and NEON) computes a panel while it prefetches the thread's
 // next panel into L2, spread over its loop: the weights stream from memory at every step, and
 // oneDNN's brgemm, which does not prefetch, stalled on each panel's first pass there. More
-// rows (prefill), and every row count on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
+// rows (prefill), and from two rows on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
 // through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
-// thread sweeps its blocks. Measured with SmolLM2-135M's shapes, 30 layers and the LM head
-// with weights streaming from memory, on the 2-core machines this project runs on:
+// thread sweeps its blocks; one row there, a GEMV of our own (gemv_panel below). Measured
+// with SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory,
+// on the 2-core machines this project runs on:
 // - Intel Xeon, AVX-512: MKL 97-108 ms at 64 rows, brgemm 75-90, the register tile 69-76
 //   (1 row: brgemm 25-32, the tile 23-26); a 2,048-token prefill on par with MKL (313 GFLOP/s).
 // - AMD EPYC (Zen 3), AVX2 only, alternating runs: brgemm 142-189 ms at 64 rows against the
@@ -47,6 +48,13 @@ constexpr int64_t kRowTile = 256;
 constexpr int64_t kMaxRegisterTileRows = 128;
 #else
 constexpr int64_t kMaxRegisterTileRows = 0;
+#endif
+// One row on AVX2: a GEMV of our own (gemv_panel), summing in brgemm's order with FMA. The
+// plain-C++ level has no FMA instruction to match brgemm's sums with, and keeps brgemm.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kOneRowGemv = true;
+#else
+constexpr bool kOneRowGemv = false;
 #endif
 
 
@@ -103,19 +111,47 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
   });
 }
 
-// One row (a lone request's decode step) over bfloat16 panels: each panel streams from memory
-// once and is widened in registers, not into a scratch panel that brgemm then reads again (at
-// one row the widening pass cost as much as the product). Two accumulator sets over
-// alternate k hide the FMA latency of a single row. Sums in float32, in k order per set.
-// Measured on the AMD EPYC (SmolLM2-135M's projections and LM head, weights streaming from
-// memory, alternating in one process): one row here 18-20 ms; two rows through brgemm over
-// widened panels (the path one row took before) 33-35; one row of float32 weights 29-34.
-// Requesting one line 32 steps ahead (the hardware prefetchers bring the rest) gained 5-9%.
+// One row (a lone request's decode step) over packed panels, where the register tile does not
+// take it (every build but AVX-512's): each thread streams its panels from memory once.
+//
+// float32: each column vector's sum runs in k order from zero and the bias is added last, the
+// order brgemm sums a row in, so a row gets the same bits alone as in a batch (tested). At one
+// row brgemm paid its per-call set-up for every panel (a decode step's 121 projections make
+// ~2,400 panel calls a thread): on the AMD EPYC Zen 1 (AVX2), SmolLM2-135M's projections and
+// LM head with weights streaming from memory took 26.0-29.3 ms here against 29.3-32.2 through
+// brgemm (six alternating pairs in one process; one thread 44.5-45.5 against 46.9-47.5).
+// Software prefetches of 256 B to 8 KB ahead, into L1 or L2, were no faster there.
+template <int kVecs>
+void gemv_panel(const float* __restrict a, const float* __restrict panel, int64_t k,
+                const float* __restrict bias, float* __restrict c, int64_t cols) {
+  vreg acc[kVecs];
+  for (int v = 0; v < kVecs; ++v) acc[v] = fvec(0.0f);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const vreg x = fvec(a[kk]);
+    for (int v = 0; v < kVecs; ++v) {
+      acc[v] = fmadd(x, fvec::loadu(panel + (kk * kVecs + v) * kLanes), acc[v]);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
+    fvec sum = fvec(acc[v]);
+    if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
+    sum.store(c + kLanes * v, lanes);
+  }
+}
+
+// bfloat16: each panel is widened in registers, not into a scratch panel that brgemm then
+// reads again (at one row the widening pass cost as much as the product). Two accumulator
+// sets over alternate k hide the FMA latency of a single row. Sums in float32, in k order per
+// set. Measured on the AMD EPYC (SmolLM2-135M's projections and LM head, weights streaming
+// from memory, alternating in one process): one row here 18-20 ms; two rows through brgemm
+// over widened panels (the path one row took before) 33-35. Requesting one line 32 steps
+// ahead (the hardware prefetchers bring the rest) gained 5-9%.
 constexpr int64_t kGemvPrefetchSteps = 32;
 
 template <int kVecs>
-void gemv_bf16_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
-                     const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
+void gemv_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
+                const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
   vreg even[kVecs], odd[kVecs];
   for (int v = 0; v < kVecs; ++v) even[v] = odd[v] = fvec(0.0f);
   int64_t kk = 0;
@@ -148,26 +184,27 @@ void gemv_bf16_panel(const float* __restrict a, const at::BFloat16* __restrict p
   }
 }
 
-template <int kVecs>
-void gemv_bf16(const float* a, const at::BFloat16* weights, int64_t num_blocks, int64_t k,
-               const float* bias, at::BFloat16* c, int64_t n) {
+template <int kVecs, typename W>
+void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const float* bias,
+          W* c, int64_t n) {
   constexpr int64_t block = kVecs * kLanes;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      gemv_bf16_panel<kVecs>(a, weights + b * k * block, k,
-                             bias != nullptr ? bias + b * block : nullptr, c + b * block,
-                             std::min(block, n - b * block));
+      gemv_panel<kVecs>(a, weights + b * k * block, k,
+                        bias != nullptr ? bias + b * block : nullptr, c + b * block,
+                        std::min(block, n - b * block));
     }
   });
 }
 
-// The panel widths gemv_bf16 is compiled for (vectors per block), or false.
-bool gemv_bf16_any(int64_t vectors, const float* a, const at::BFloat16* weights,
-                   int64_t num_blocks, int64_t k, const float* bias, at::BFloat16* c, int64_t n) {
+// The panel widths gemv is compiled for (vectors per block), or false.
+template <typename W>
+bool gemv_any(int64_t vectors, const float* a, const W* weights, int64_t num_blocks, int64_t k,
+              const float* bias, W* c, int64_t n) {
   switch (vectors) {
-    case 2: gemv_bf16<2>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 3: gemv_bf16<3>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 4: gemv_bf16<4>(a, weights, num_blocks, k, bias, c, n); return true;
+    case 2: gemv<2>(a, weights, num_blocks, k, bias, c, n); return true;
+    case 3: gemv<3>(a, weights, num_blocks, k, bias, c, n); return true;
+    case 4: gemv<4>(a, weights, num_blocks, k, bias, c, n); return true;
     default: return false;
   }
 }
@@ -193,9 +230,8 @@ bool gemv_bf16_row(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     widen_bf16(bias->data_ptr<at::BFloat16>(), bias32.data(), n);
   }
   out = at::empty({1, n}, x.options());
-  return gemv_bf16_any(vectors, a.data(), packed.data_ptr<at::BFloat16>(), packed.size(0), k,
-                       bias.has_value() ? bias32.data() : nullptr,
-                       out.data_ptr<at::BFloat16>(), n);
+  return gemv_any(vectors, a.data(), packed.data_ptr<at::BFloat16>(), packed.size(0), k,
+                  bias.has_value() ? bias32.data() : nullptr, out.data_ptr<at::BFloat16>(), n);
 }
 
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -260,6 +296,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                        next);
       }
     });
+    return out;
+  }
+  if (kOneRowGemv && m == 1 &&
+      gemv_any(vectors, a_ptr, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
     return out;
   }
   brgemm_rows(a_ptr, lda, m, b_ptr, packed.size(0), k, block, bias_ptr, c_ptr, n);
