@@ -80,6 +80,22 @@ def test_packing_cuts_the_weight_into_zero_padded_column_blocks() -> None:
     assert torch.equal(unpacked, weight)
 
 
+def test_bfloat16_is_packed_in_pairs_of_k() -> None:
+    """Each panel row holds a pair of consecutive k for every column of the block, so one
+    vector load widens into two k's worth of columns; an odd in_features gets a zero k."""
+    weight = _weights(100, 95)[0].bfloat16()  # 100 = two blocks of 48 and a padded one
+    packed = torch.ops.duoserve.pack_linear_weight(weight, 48)
+    assert packed.shape == (3, 48, 48, 2)  # [blocks, ceil(95 / 2) pairs, block, pair]
+    assert not packed[2, :, 4:].any() and not packed[:, -1, :, 1].any()  # the padding
+    # Block b, pair row p, column j holds weight[48 b + j, 2 p] and weight[48 b + j, 2 p + 1].
+    unpacked = packed.permute(0, 2, 1, 3).reshape(-1, 96)[:100, :95]
+    assert torch.equal(unpacked, weight)
+    x = torch.randn(3, 95).bfloat16()
+    with pytest.raises(RuntimeError, match="the weight takes 95 or 96"):
+        torch.ops.duoserve.packed_linear(torch.randn(3, 97).bfloat16(), packed, 100, None)
+    assert torch.ops.duoserve.packed_linear(x, packed, 100, None).shape == (3, 100)
+
+
 def test_bad_inputs_raise_errors_that_name_the_problem() -> None:
     weight, bias = _weights(96, 64)
     packed = torch.ops.duoserve.pack_linear_weight(weight, 48)

@@ -35,6 +35,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -58,8 +60,11 @@ constexpr bool kOneRowGemv = false;
 #endif
 
 
-// weight: [N, K] (nn.Linear's layout) -> [ceil(N / block), K, block], zero-padded, in the
-// weight's dtype (float32, or bfloat16: see packed_linear).
+// weight: [N, K] (nn.Linear's layout), zero-padded to whole blocks of columns:
+// - float32 -> [ceil(N / block), K, block]: each block a contiguous K x block panel.
+// - bfloat16 -> [ceil(N / block), ceil(K / 2), block, 2]: each panel in pairs of k, a pair
+//   row holding each column's two consecutive k side by side (K zero-padded to even), so
+//   that one vector load widens into two k's worth of float32 columns (load_bf16_pairs).
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
@@ -68,22 +73,52 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   const int64_t n = weight.size(0);
   const int64_t k = weight.size(1);
   const int64_t num_blocks = (n + block - 1) / block;
-  auto padded = at::zeros({num_blocks * block, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  // [blocks, block, K] -> [blocks, K, block]
-  return padded.view({num_blocks, block, k}).transpose(1, 2).contiguous();
+  if (weight.scalar_type() == at::kFloat) {
+    auto padded = at::zeros({num_blocks * block, k}, weight.options());
+    padded.narrow(0, 0, n).copy_(weight);
+    // [blocks, block, K] -> [blocks, K, block]
+    return padded.view({num_blocks, block, k}).transpose(1, 2).contiguous();
+  }
+  const int64_t pairs = (k + 1) / 2;
+  auto padded = at::zeros({num_blocks * block, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  // [blocks, block, K / 2, 2] -> [blocks, K / 2, block, 2]
+  return padded.view({num_blocks, block, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// A float32 panel as brgemm reads it: float32 weights as they are; bfloat16 ones widened
-// into the thread's scratch first (exact), once per row tile.
-inline const float* float_panel(const float* panel, int64_t, std::vector<float>&) {
+// Values a packed panel of `block` columns holds: K rows of float32, K rounded up to whole
+// pairs of bfloat16.
+template <typename W>
+constexpr int64_t panel_size(int64_t k, int64_t block) {
+  return (std::is_same_v<W, at::BFloat16> ? (k + 1) / 2 * 2 : k) * block;
+}
+
+// A float32 [K, block] panel as brgemm reads it: float32 weights as they are; bfloat16 ones
+// (in pairs of k) widened into the thread's scratch first (exact), once per row tile.
+inline const float* float_panel(const float* panel, int64_t, int64_t, std::vector<float>&) {
   return panel;
 }
 
-inline const float* float_panel(const at::BFloat16* panel, int64_t size,
+inline const float* float_panel(const at::BFloat16* panel, int64_t k, int64_t block,
                                 std::vector<float>& scratch) {
-  scratch.resize(size);
-  widen_bf16(panel, scratch.data(), size);
+  scratch.resize(k * block);
+  for (int64_t kk = 0; kk < k; kk += 2) {
+    const at::BFloat16* pairs = panel + kk * block;  // pair row kk / 2
+    float* first = scratch.data() + kk * block;
+    float* second = first + block;
+    const bool has_second = kk + 1 < k;  // else the pair's second value is padding
+    int64_t col = 0;
+    for (; col + kLanes <= block; col += kLanes) {
+      vreg first_k, second_k;
+      load_bf16_pairs(pairs + 2 * col, first_k, second_k);
+      fvec(first_k).store(first + col);
+      if (has_second) fvec(second_k).store(second + col);
+    }
+    for (; col < block; ++col) {
+      first[col] = static_cast<float>(pairs[2 * col]);
+      if (has_second) second[col] = static_cast<float>(pairs[2 * col + 1]);
+    }
+  }
   return scratch.data();
 }
 
@@ -102,7 +137,8 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
         if (bias != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
           for (int64_t r = 0; r < rows; ++r) std::copy_n(bias + n0, cols, tile + r * n);
         }
-        const float* panel = float_panel(weights + b * k * block, k * block, scratch);
+        const float* panel =
+            float_panel(weights + b * panel_size<W>(k, block), k, block, scratch);
         at::native::cpublas::brgemm(rows, cols, k, lda, block, n, bias != nullptr,
                                     a + m0 * lda, panel, tile, /*is_vnni=*/false);
       }
@@ -140,42 +176,54 @@ void gemv_panel(const float* __restrict a, const float* __restrict panel, int64_
   }
 }
 
-// bfloat16: each panel is widened in registers, not into a scratch panel that brgemm then
-// reads again (at one row the widening pass cost as much as the product). Two accumulator
-// sets over alternate k hide the FMA latency of a single row. Sums in float32, in k order per
-// set. Measured on the AMD EPYC (SmolLM2-135M's projections and LM head, weights streaming
-// from memory, alternating in one process): one row here 18-20 ms; two rows through brgemm
-// over widened panels (the path one row took before) 33-35. Requesting one line 32 steps
-// ahead (the hardware prefetchers bring the rest) gained 5-9%.
-constexpr int64_t kGemvPrefetchSteps = 32;
+// bfloat16, packed in pairs of k: each pair row is widened in registers (load_bf16_pairs:
+// one load for two k's worth of a vector of columns), not into a scratch panel that brgemm
+// then reads again (at one row the widening pass cost as much as the product). A pair's
+// first k and its second go to two accumulator sets, which hides the FMA latency of a single
+// row; the sums run in float32 in k order per set, added at the end. Each line of the panel
+// is requested 4 KB ahead (2, 8 and 16 KB were no faster). Measured on the AMD EPYC Zen 1
+// (AVX2; SmolLM2-135M's projections and LM head, 269 MB of bfloat16 streaming from memory,
+// both threads, one call at a time from Python): 15.1-15.2 ms against 17.4-17.5 with k-major
+// panels (a widening load and a shift per vector of columns, one line in three requested
+// ahead); in a C++ loop of its own 13.7-14.1 ms, where reading the bytes alone took 12.2-13.3.
+constexpr int64_t kGemvPrefetchBytes = 4096;
 
 template <int kVecs>
 void gemv_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
                 const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
-  vreg even[kVecs], odd[kVecs];
-  for (int v = 0; v < kVecs; ++v) even[v] = odd[v] = fvec(0.0f);
-  int64_t kk = 0;
-  for (; kk + 1 < k; kk += 2) {
+  constexpr int64_t kPairRow = 2 * kVecs * kLanes;  // bfloat16 values in a pair row
+  constexpr int64_t kPairRowBytes = kPairRow * sizeof(at::BFloat16);
+  vreg first[kVecs], second[kVecs];
+  for (int v = 0; v < kVecs; ++v) first[v] = second[v] = fvec(0.0f);
+  const int64_t whole_pairs = k / 2;
+  for (int64_t pair = 0; pair < whole_pairs; ++pair) {
+    const at::BFloat16* row = panel + pair * kPairRow;
     // Past a thread's last panel this requests lines beyond the weights: harmless for a
     // prefetch, and computed as an integer, not as a pointer past the end.
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel) +
-                            (kk + kGemvPrefetchSteps) * kVecs * kLanes * sizeof(at::BFloat16);
-    __builtin_prefetch(reinterpret_cast<const void*>(ahead));
-    const vreg x0 = fvec(a[kk]), x1 = fvec(a[kk + 1]);
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kGemvPrefetchBytes;
+    for (int64_t line = 0; line < kPairRowBytes; line += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
+    }
+    const vreg x0 = fvec(a[2 * pair]), x1 = fvec(a[2 * pair + 1]);
     for (int v = 0; v < kVecs; ++v) {
-      even[v] = fmadd(x0, load_bf16(panel + (kk * kVecs + v) * kLanes), even[v]);
-      odd[v] = fmadd(x1, load_bf16(panel + ((kk + 1) * kVecs + v) * kLanes), odd[v]);
+      vreg w0, w1;
+      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
+      first[v] = fmadd(x0, w0, first[v]);
+      second[v] = fmadd(x1, w1, second[v]);
     }
   }
-  if (kk < k) {
-    const vreg x = fvec(a[kk]);
+  if (k % 2 == 1) {  // the last k alone: its pair's second value is padding
+    const at::BFloat16* row = panel + whole_pairs * kPairRow;
+    const vreg x = fvec(a[k - 1]);
     for (int v = 0; v < kVecs; ++v) {
-      even[v] = fmadd(x, load_bf16(panel + (kk * kVecs + v) * kLanes), even[v]);
+      vreg w0, w1;
+      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
+      first[v] = fmadd(x, w0, first[v]);
     }
   }
   for (int v = 0; v < kVecs; ++v) {
     const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
-    fvec sum = fvec(even[v]) + fvec(odd[v]);
+    fvec sum = fvec(first[v]) + fvec(second[v]);
     if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
     // Rounded as torch's float32 -> bfloat16 conversion rounds (to nearest even, NaN kept).
     __at_align__ float sums[kLanes];
@@ -190,7 +238,7 @@ void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const
   constexpr int64_t block = kVecs * kLanes;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      gemv_panel<kVecs>(a, weights + b * k * block, k,
+      gemv_panel<kVecs>(a, weights + b * panel_size<W>(k, block), k,
                         bias != nullptr ? bias + b * block : nullptr, c + b * block,
                         std::min(block, n - b * block));
     }
@@ -221,7 +269,7 @@ bool gemv_bf16_row(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const int64_t block = packed.size(2);
   const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
   if (x.size(0) != 1 || vectors < 2 || vectors > 4) return false;
-  const int64_t k = packed.size(1);
+  const int64_t k = x.size(1);
   thread_local std::vector<float> a, bias32;
   a.resize(k);
   widen_bf16(x.contiguous().data_ptr<at::BFloat16>(), a.data(), k);
@@ -244,9 +292,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
                        : std::nullopt;
   auto out = at::empty({a.size(0), n}, a.options());
   if (a.size(0) > 0) {
-    brgemm_rows(a.data_ptr<float>(), a.stride(0), a.size(0),
-                packed.data_ptr<at::BFloat16>(),
-                packed.size(0), packed.size(1), packed.size(2),
+    brgemm_rows(a.data_ptr<float>(), a.stride(0), a.size(0), packed.data_ptr<at::BFloat16>(),
+                packed.size(0), a.size(1), packed.size(2),
                 bias32.has_value() ? bias32->data_ptr<float>() : nullptr, out.data_ptr<float>(),
                 n);
   }
@@ -256,17 +303,22 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
   const auto dtype = packed.scalar_type();
-  TORCH_CHECK(packed.dim() == 3 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  packed.is_contiguous(),
-              "packed must be a contiguous float32 or bfloat16 [blocks, in_features, block]");
-  const char* dtype_name = dtype == at::kFloat ? "float32" : "bfloat16";
+  const bool pairs = dtype == at::kBFloat16;  // bfloat16 is packed in pairs of k
+  TORCH_CHECK(packed.is_contiguous() && ((dtype == at::kFloat && packed.dim() == 3) ||
+                                         (pairs && packed.dim() == 4 && packed.size(3) == 2)),
+              "packed must be pack_linear_weight's: contiguous float32 [blocks, in_features, "
+              "block] or bfloat16 [blocks, in_features / 2 rounded up, block, 2]");
+  const char* dtype_name = pairs ? "bfloat16" : "float32";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "x must be ", dtype_name,
               " [rows, in], the packed weight's dtype");
   const int64_t m = x.size(0);
-  const int64_t k = packed.size(1);
+  const int64_t k = x.size(1);
   const int64_t block = packed.size(2);
   const int64_t n = out_features;
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight takes ", k);
+  TORCH_CHECK(packed.size(1) == (pairs ? (k + 1) / 2 : k), "x has ", k,
+              " features, the weight takes ",
+              pairs ? std::to_string(2 * packed.size(1) - 1) + " or " : std::string(),
+              pairs ? 2 * packed.size(1) : packed.size(1));
   TORCH_CHECK(n >= 1 && n <= packed.size(0) * block && n > (packed.size(0) - 1) * block,
               "out_features does not match the packed weight");
   if (bias.has_value()) {
