@@ -9,15 +9,20 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch.utils import cpp_extension
 
 COMPILE_TIMEOUT_S = 900.0
+PRECOMPILED_HEADER = Path(__file__).parent / "csrc" / "precompiled.h"
+# Sources from which compiling PRECOMPILED_HEADER first pays (it costs about one source).
+PRECOMPILE_FROM = 3
 
 
 class KernelBuildError(RuntimeError):
@@ -58,38 +63,56 @@ def build_library(sources: Sequence[Path], library: Path, arch: str) -> None:
         if library.exists():
             return
         with tempfile.TemporaryDirectory(dir=library.parent, prefix="build-") as scratch:
-            objects = _compile_all(sources, Path(scratch), arch)
+            objects = compile_objects(sources, Path(scratch), compiler(), compile_flags(arch))
             partial = Path(scratch) / library.name
             _run([compiler(), *map(str, objects), *link_flags(), "-o", str(partial)])
             os.replace(partial, library)
 
 
-def _compile_all(sources: Sequence[Path], scratch: Path, arch: str) -> list[Path]:
-    """Every source at once, one compiler process each (a handful of sources)."""
+def compile_objects(
+    sources: Sequence[Path], scratch: Path, cxx: str, flags: Sequence[str]
+) -> list[Path]:
+    """Compile `sources` into objects in `scratch`, as many at a time as there are CPUs. From
+    PRECOMPILE_FROM sources on, PRECOMPILED_HEADER (the ATen and torch headers every kernel
+    includes) is compiled once first (gcc's precompiled headers) and each source starts from
+    it: parsing those headers took 10-15 s of each kernel's 13-21 s compile, and the native
+    build of the kernels went from 93 s to ~60 s on the AMD EPYC Zen 1 (2 cores). A compiler
+    that cannot use the precompiled header parses the headers itself: same objects, slower."""
+    flags = [*flags, f"-I{PRECOMPILED_HEADER.parent}"]
+    if len(sources) >= PRECOMPILE_FROM:
+        header = scratch / PRECOMPILED_HEADER.name
+        shutil.copyfile(PRECOMPILED_HEADER, header)
+        _compile_each([[cxx, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]],
+                      [header])  # fmt: skip
+        flags = [*flags, "-include", str(header)]
     objects = [scratch / f"{source.stem}.o" for source in sources]
-    flags = compile_flags(arch)
-    try:
-        processes = [
-            (
-                source,
-                subprocess.Popen(
-                    [compiler(), *flags, "-c", str(source), "-o", str(target)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                ),
-            )
-            for source, target in zip(sources, objects, strict=True)
-        ]
-    except FileNotFoundError as error:
-        raise KernelBuildError(f"no compiler: {error}") from error
+    commands = [
+        [cxx, *flags, "-c", str(source), "-o", str(target)]
+        for source, target in zip(sources, objects, strict=True)
+    ]
+    _compile_each(commands, sources)
+    return objects
+
+
+def _compile_each(commands: Sequence[list[str]], sources: Sequence[Path]) -> None:
+    """Run the compiler commands, os.cpu_count() at a time; every failure is reported."""
     failures = []
-    for source, process in processes:
-        output, _ = process.communicate(timeout=COMPILE_TIMEOUT_S)
-        if process.returncode != 0:
-            failures.append(f"{source.name}:\n{output.decode(errors='replace')[-3000:]}")
+
+    def compile_one(command: list[str]) -> str | None:
+        try:
+            done = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=COMPILE_TIMEOUT_S
+            )
+        except FileNotFoundError as error:
+            raise KernelBuildError(f"no compiler: {error}") from error
+        return None if done.returncode == 0 else done.stdout.decode(errors="replace")[-3000:]
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for source, output in zip(sources, pool.map(compile_one, commands), strict=True):
+            if output is not None:
+                failures.append(f"{source.name}:\n{output}")
     if failures:
         raise KernelBuildError("compiling the CPU kernels failed: " + "\n".join(failures))
-    return objects
 
 
 def _run(command: list[str]) -> None:
