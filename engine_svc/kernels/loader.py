@@ -45,6 +45,8 @@ CACHE_ENV = "DUOSERVE_KERNEL_CACHE"  # where builds live (default ~/.cache/duose
 ARCH_ENV = "DUOSERVE_CPU_ARCH"
 # CPU flags each portable level needs, checked before loading a build made for it.
 _ARCH_REQUIRES = {"x86-64-v3": {"avx2", "fma", "bmi2"}, "x86-64-v4": {"avx512f", "avx512bw"}}
+# The x86-64 levels, best first, with the vector code each compiles (csrc/vec.h).
+X86_LEVELS = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "default"}
 
 
 def cache_root() -> Path:
@@ -328,17 +330,40 @@ def paged_decode_attention(
     )
 
 
+def other_levels(native_capability: str) -> list[str]:
+    """The x86-64 levels this CPU runs whose vector code is not the native build's: each
+    one's kernels are tested in a process of their own (tests/engine_svc/test_kernel_levels.py).
+    x86-64-v3 on an AVX-512 machine and plain x86-64 everywhere; on an AVX2 machine the
+    native build already is the AVX2 code."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = _cpu_flags()
+    return [
+        level
+        for level, capability in X86_LEVELS.items()
+        if capability != native_capability and _ARCH_REQUIRES.get(level, set()) <= flags
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m engine_svc.kernels [--build-only]`: build every level asked for now (make
-    install, an image build), load the one this CPU runs unless told not to, and print each
-    library's folder."""
-    build_only = "--build-only" in (sys.argv[1:] if argv is None else argv)
+    """`python -m engine_svc.kernels [--build-only | --other-levels]`: build every level asked
+    for now (make install, an image build), load the one this CPU runs unless told not to,
+    and print each library's folder. With --other-levels, the native build is loaded and
+    then the x86-64 levels the tests run beside it are built too (`other_levels`)."""
+    args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for level in build_levels():
+    levels = build_levels()
+    for level in levels:
         _build(level)
-    if not build_only:
-        if not cpu_kernels_available():
+    if "--build-only" not in args:
+        build = loaded_build()
+        if build is None:
             raise SystemExit("CPU kernels could not be built or loaded; see the warning above")
         print(describe(torch.float32, 64))
-    for level in build_levels():
+        if "--other-levels" in args:
+            others = other_levels(build.capability)
+            for level in others:
+                _build(level)
+            levels += others
+    for level in levels:
         print(build_dir(level))

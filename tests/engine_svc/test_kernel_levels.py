@@ -34,8 +34,7 @@ EXACTNESS_TESTS = [
     "tests/engine_svc/test_greedy_matches_hf.py::test_tiny_model_greedy_matches_hf[chunked_prefill-cpu]",
     "tests/engine_svc/test_greedy_matches_hf.py::test_default_model_greedy_matches_hf[all_at_once]",
 ]
-# x86-64 levels, best first, with the vector code each compiles (vec.h).
-X86_LEVELS = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "default"}
+X86_LEVELS = loader.X86_LEVELS
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
 
 pytestmark = pytest.mark.skipif(
@@ -89,6 +88,31 @@ def test_a_level_this_cpu_cannot_run_still_builds(level: str, tmp_path: Path) ->
     library = tmp_path / "kernels.so"
     build.build_library(loader.SOURCES, library, level)
     assert library.stat().st_size > 0
+
+
+AVX512_FLAGS = frozenset({"avx2", "fma", "bmi2", "avx512f", "avx512bw"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "bmi2"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "native", "others"),
+    [
+        (AVX512_FLAGS, "avx512", ["x86-64-v3", "x86-64"]),
+        (AVX512_FLAGS, "avx2", ["x86-64-v4", "x86-64"]),  # DUOSERVE_CPU_ARCH=x86-64-v3
+        (AVX2_FLAGS, "avx2", ["x86-64"]),
+        (frozenset({"sse4_2"}), "default", []),
+    ],
+)
+def test_make_kernels_builds_the_levels_tested_beside_the_native_one(
+    monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], native: str, others: list[str]
+) -> None:
+    """`make kernels` (python -m engine_svc.kernels --other-levels) builds what
+    test_each_level_this_cpu_runs_... loads, so the tests build nothing: every level this
+    CPU runs whose vector code is not the native build's."""
+    monkeypatch.setattr(loader, "_cpu_flags", lambda: flags)
+    assert loader.other_levels(native) == others
+    for level in others:
+        assert X86_LEVELS[level] != native
 
 
 # Compiled with the sources: fails unless vec.h took its NEON branch, not the generic one.
