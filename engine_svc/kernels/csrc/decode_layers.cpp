@@ -19,8 +19,11 @@
 //            its main path (Path below) and out_features;
 //   floats:  the two norms' eps, the attention scale.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <torch/library.h>
 
 #include <cstring>

@@ -10,8 +10,12 @@
 
 #include "vec.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -242,7 +246,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     });
     return out;
   }
-  return at::silu(x.narrow(1, 0, width)) * x.narrow(1, width, width);
+  return at::silu(x.narrow(1, 0, width)).mul_(x.narrow(1, width, width));
 }
 
 }  // namespace
