@@ -20,6 +20,8 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 
 namespace duoserve {
@@ -55,25 +57,58 @@ void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_o
   });
 }
 
-// bfloat16 in registers, 2 * kLanes values at a time (the scalar loop above converts one
-// value at a time: 350 us for 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch;
-// a version that widened whole rows into float32 buffers between passes still took 31 us
-// for 64 rows). The same roundings: the residual sum, the normalised value and its product
-// by the weight each rounded to bfloat16, as torch's ops round; only the sum of squares
-// runs in another order than torch's.
-using bvec = at::vec::Vectorized<at::BFloat16>;
-constexpr int64_t kBf16Lanes = bvec::size();
+// bfloat16 in registers, kLanes values at a time, with the roundings torch's bfloat16 ops
+// make: the residual sum, the normalised value and its product by the weight each rounded
+// to bfloat16 (round_to_bf16: in the float32 lanes, no packing until the store); only the
+// sum of squares runs in another order than torch's. (The scalar loop above converted one
+// value at a time: 350 us for 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch.)
+// The row functions are flattened: GCC left vector helpers as calls in this unit's later
+// functions (its inlining budget spent), which made them slower than scalar code.
 
-// Both halves of `count` bfloat16 values as float32 (zeros past count), and the reverse,
-// rounded to nearest even as at::vec::convert rounds.
-inline std::tuple<fvec, fvec> widen(const at::BFloat16* p, int64_t count) {
-  return at::vec::convert_bfloat16_float(bvec::loadu(p, count));
-}
-inline bvec rounded(fvec low, fvec high) { return at::vec::convert_float_bfloat16(low, high); }
-
+// A row's vectors: body(i, n) for the kLanes values from i, n of them in the row (fewer in
+// the last vector: loads give zeros past them, stores keep to them).
 template <typename Body>
-void each_bf16_vector(int64_t width, Body&& body) {
-  for (int64_t i = 0; i < width; i += kBf16Lanes) body(i, std::min(kBf16Lanes, width - i));
+inline void each_vector(int64_t width, Body&& body) {
+  for (int64_t i = 0; i < width; i += kLanes) body(i, std::min<int64_t>(kLanes, width - i));
+}
+inline fvec load(const at::BFloat16* p, int64_t n) {
+  return n == kLanes ? fvec(load_bf16(p)) : load_bf16(p, n);
+}
+inline fvec load(const float* p, int64_t n) { return fvec::loadu(p, n); }
+inline void store(fvec rounded, at::BFloat16* p, int64_t n) {
+  if (n == kLanes) {
+    store_bf16(rounded, p);
+  } else {
+    store_bf16(rounded, p, n);
+  }
+}
+
+__attribute__((flatten)) void rms_norm_row_bf16(const at::BFloat16* __restrict row,
+                                                at::BFloat16* __restrict summed,
+                                                const at::BFloat16* __restrict residual,
+                                                const at::BFloat16* __restrict weight,
+                                                at::BFloat16* __restrict out, int64_t width,
+                                                float eps) {
+  fvec squares(0.0f);  // lanes past the row's end add zeros
+  if (residual != nullptr) {  // x + residual, rounded: the new residual stream
+    each_vector(width, [&](int64_t i, int64_t n) {
+      const fvec sum = round_to_bf16(load(row + i, n) + load(residual + i, n));
+      store(sum, summed + i, n);
+      squares = at::vec::fmadd(sum, sum, squares);
+    });
+    row = summed;
+  } else {
+    each_vector(width, [&](int64_t i, int64_t n) {
+      const fvec v = load(row + i, n);
+      squares = at::vec::fmadd(v, v, squares);
+    });
+  }
+  const fvec inv(1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) + eps));
+  each_vector(width, [&](int64_t i, int64_t n) {
+    // The normalised value, rounded, then its product by the weight.
+    const fvec normed = round_to_bf16(load(row + i, n) * inv);
+    store(round_to_bf16(load(weight + i, n) * normed), out + i, n);
+  });
 }
 
 template <>
@@ -85,35 +120,9 @@ void rms_norm_rows<at::BFloat16>(const at::BFloat16* __restrict x,
                                  double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const at::BFloat16* row = x + r * width;
-      fvec squares(0.0f);  // lanes past the row's end add zeros
-      if (residual_in != nullptr) {  // x + residual, rounded: the new residual stream
-        at::BFloat16* summed = residual_out + r * width;
-        each_bf16_vector(width, [&](int64_t i, int64_t n) {
-          const auto [x0, x1] = widen(row + i, n);
-          const auto [r0, r1] = widen(residual_in + r * width + i, n);
-          const bvec sum = rounded(x0 + r0, x1 + r1);
-          sum.store(summed + i, n);
-          const auto [s0, s1] = at::vec::convert_bfloat16_float(sum);
-          squares = at::vec::fmadd(s1, s1, at::vec::fmadd(s0, s0, squares));
-        });
-        row = summed;
-      } else {
-        each_bf16_vector(width, [&](int64_t i, int64_t n) {
-          const auto [v0, v1] = widen(row + i, n);
-          squares = at::vec::fmadd(v1, v1, at::vec::fmadd(v0, v0, squares));
-        });
-      }
-      const fvec inv(1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) +
-                                      static_cast<float>(eps)));
-      at::BFloat16* y = out + r * width;
-      each_bf16_vector(width, [&](int64_t i, int64_t n) {
-        const auto [v0, v1] = widen(row + i, n);
-        // The normalised value, rounded, then its product by the weight.
-        const auto [n0, n1] = at::vec::convert_bfloat16_float(rounded(v0 * inv, v1 * inv));
-        const auto [w0, w1] = widen(weight + i, n);
-        rounded(w0 * n0, w1 * n1).store(y + i, n);
-      });
+      rms_norm_row_bf16(x + r * width, residual_out + r * width,
+                        residual_in == nullptr ? nullptr : residual_in + r * width, weight,
+                        out + r * width, width, static_cast<float>(eps));
     }
   });
 }
@@ -171,6 +180,33 @@ __attribute__((optimize("fp-contract=off"))) void rotate_row(scalar_t* __restric
   }
 }
 
+// bfloat16 in registers (the scalar loop converts one value at a time: 57 us against
+// float32's 13 for 64 rows of SmolLM2's 9 query heads on the AMD EPYC Zen 1), with the
+// roundings of torch's bfloat16 ops: cos and sin rounded to bfloat16 first (Hugging Face
+// casts them to the activations' dtype; the caller rounds them once per token for all the
+// heads), each product rounded, then their sum. Every product is rounded before the sum,
+// so nothing can contract into an FMA.
+__attribute__((flatten)) void rotate_row_bf16(at::BFloat16* __restrict x,
+                                              const float* __restrict cos,
+                                              const float* __restrict sin, int64_t half) {
+  each_vector(half, [&](int64_t i, int64_t n) {
+    const fvec a = load(x + i, n), b = load(x + half + i, n);
+    const fvec first = round_to_bf16(a * load(cos + i, n)) +
+                       round_to_bf16(b.neg() * load(sin + i, n));
+    const fvec second = round_to_bf16(b * load(cos + half + i, n)) +
+                        round_to_bf16(a * load(sin + half + i, n));
+    store(round_to_bf16(first), x + i, n);
+    store(round_to_bf16(second), x + half + i, n);
+  });
+}
+
+__attribute__((flatten)) void round_row_to_bf16(const float* __restrict in,
+                                                float* __restrict out, int64_t width) {
+  each_vector(width, [&](int64_t i, int64_t n) {
+    round_to_bf16(load(in + i, n)).store(out + i, n);
+  });
+}
+
 // In place on x [tokens, heads, head_dim] (a strided view, head_dim contiguous); cos and sin
 // are float32 [tokens, head_dim] in Hugging Face's (freqs, freqs) layout.
 void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -182,10 +218,25 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && dim % 2 == 0,
               "rotary: cos and sin must be [tokens, head_dim]");
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16) {
+    at::BFloat16* base = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> rounded(2 * dim);  // the token's cos and sin, rounded to bfloat16
+      for (int64_t t = begin; t < end; ++t) {
+        round_row_to_bf16(c + t * dim, rounded.data(), dim);
+        round_row_to_bf16(s + t * dim, rounded.data() + dim, dim);
+        for (int64_t h = 0; h < heads; ++h) {
+          rotate_row_bf16(base + t * token_stride + h * head_stride, rounded.data(),
+                          rounded.data() + dim, dim / 2);
+        }
+      }
+    });
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, x.scalar_type(), "rotary", [&] {
     scalar_t* base = x.data_ptr<scalar_t>();
-    const float* c = cos.data_ptr<float>();
-    const float* s = sin.data_ptr<float>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
@@ -200,6 +251,40 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
 // silu(g) = g / (1 + exp(-g)), with vec.h's exp.
 inline fvec silu(fvec g) { return g / (fvec(1.0f) + exp(fvec(0.0f) - g)); }
 
+inline void store(fvec v, float* p, int64_t n) { v.store(p, n); }
+
+// v as the dtype holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
+template <typename T>
+inline fvec round_as(fvec v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return round_to_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+// One row of silu(gate) * up; in bfloat16, silu(gate) rounded before the product, as
+// torch's silu then mul round. Two vectors a step: exp's chain of dependent FMAs is long,
+// and on a core that splits 256-bit operations in two (the Zen 1) one vector a step could
+// not overlap the next one's chain (bfloat16, 64 rows of 1536: 215 us against 190 for the
+// 16 values a step before; float32 118).
+template <typename T>
+__attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __restrict out,
+                                               int64_t width) {
+  const T* up = gate + width;
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= width; i += 2 * kLanes) {
+    const fvec first = round_as<T>(silu(load(gate + i, kLanes)));
+    const fvec second = round_as<T>(silu(load(gate + i + kLanes, kLanes)));
+    store(round_as<T>(first * load(up + i, kLanes)), out + i, kLanes);
+    store(round_as<T>(second * load(up + i + kLanes, kLanes)), out + i + kLanes, kLanes);
+  }
+  for (; i < width; i += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, width - i);
+    store(round_as<T>(round_as<T>(silu(load(gate + i, n))) * load(up + i, n)), out + i, n);
+  }
+}
+
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
 // silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) with a vectorized exp (within
 // 2 ulp of expf, so within a few ulp of torch's silu) in float32; bfloat16 computed in float32
@@ -208,44 +293,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [rows, 2 * width], rows contiguous");
   const int64_t rows = x.size(0), width = x.size(1) / 2;
-  if (x.scalar_type() == at::kFloat) {
+  auto rows_of = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
     auto out = at::empty({rows, width}, x.options());
-    const float* in = x.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
+    const T* in = x.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
     const int64_t row_stride = x.stride(0);
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const float* gate = in + r * row_stride;
-        const float* up = gate + width;
-        float* o = dst + r * width;
-        for (int64_t i = 0; i < width; i += kLanes) {
-          const int64_t count = std::min<int64_t>(kLanes, width - i);
-          (silu(fvec::loadu(gate + i, count)) * fvec::loadu(up + i, count)).store(o + i, count);
-        }
+        silu_and_mul_row<T>(in + r * row_stride, dst + r * width, width);
       }
     });
     return out;
-  }
-  if (x.scalar_type() == at::kBFloat16) {
-    auto out = at::empty({rows, width}, x.options());
-    const at::BFloat16* in = x.data_ptr<at::BFloat16>();
-    at::BFloat16* dst = out.data_ptr<at::BFloat16>();
-    const int64_t row_stride = x.stride(0);
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const at::BFloat16* gate = in + r * row_stride;
-        const at::BFloat16* up = gate + width;
-        each_bf16_vector(width, [&](int64_t i, int64_t n) {
-          const auto [g0, g1] = widen(gate + i, n);
-          const auto [u0, u1] = widen(up + i, n);
-          // silu(gate) rounded to bfloat16 before the product, as torch's silu then mul round.
-          const auto [s0, s1] = at::vec::convert_bfloat16_float(rounded(silu(g0), silu(g1)));
-          rounded(s0 * u0, s1 * u1).store(dst + r * width + i, n);
-        });
-      }
-    });
-    return out;
-  }
+  };
+  if (x.scalar_type() == at::kFloat) return rows_of(static_cast<float*>(nullptr));
+  if (x.scalar_type() == at::kBFloat16) return rows_of(static_cast<at::BFloat16*>(nullptr));
   return at::silu(x.narrow(1, 0, width)).mul_(x.narrow(1, width, width));
 }
 

@@ -27,6 +27,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace duoserve {
 
@@ -183,6 +184,42 @@ inline fvec round_to_bf16(fvec v) {
   for (float& lane : lanes) lane = static_cast<float>(static_cast<at::BFloat16>(lane));
   return fvec::loadu(lanes);
 #endif
+}
+
+// kLanes float32 lanes, each rounded already by round_to_bf16, stored as bfloat16: the high
+// half of each lane's bits, with no rounding left to do (ATen's conversion rounds again and
+// checks for NaN, and on AVX2 packs across the halves of the register).
+inline void store_bf16(fvec rounded, at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high),
+                                          _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+#elif defined(__aarch64__)
+  const uint16x4_t high = vshrn_n_u32(vreinterpretq_u32_f32(vreg(rounded)), 16);
+  vst1_u16(reinterpret_cast<uint16_t*>(p), high);
+#else
+  __at_align__ float lanes[kLanes];
+  rounded.store(lanes);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<at::BFloat16>(lanes[i]);
+#endif
+}
+
+// The first n (< kLanes) bfloat16 values as float32, zeros after; and the first n lanes of
+// a rounded vector stored as bfloat16: a row's last, partial vector.
+inline fvec load_bf16(const at::BFloat16* p, int64_t n) {
+  __at_align__ at::BFloat16 lanes[kLanes] = {};
+  std::memcpy(lanes, p, n * sizeof(at::BFloat16));
+  return load_bf16(lanes);
+}
+
+inline void store_bf16(fvec rounded, at::BFloat16* p, int64_t n) {
+  __at_align__ at::BFloat16 lanes[kLanes];
+  store_bf16(rounded, lanes);
+  std::memcpy(p, lanes, n * sizeof(at::BFloat16));
 }
 
 // exp(x): n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 Taylor
