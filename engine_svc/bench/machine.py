@@ -21,7 +21,23 @@ ISA_CAPS: dict[str, dict[str, str]] = {
         "DUOSERVE_CPU_ARCH": "x86-64-v3",
     },
 }
+# The CPU flag above each cap: without it, the native build of our kernels is the capped
+# level's code already (vec.h), and a portable build of its own would only cost a build.
+_ABOVE_CAP = {"avx2": "avx512f"}
 _FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def isa_caps(isa: str) -> dict[str, str]:
+    """The environment that holds every library to `isa` on this CPU."""
+    caps = dict(ISA_CAPS[isa])
+    if _ABOVE_CAP[isa] not in cpu_flags():
+        del caps["DUOSERVE_CPU_ARCH"]
+    return caps
+
+
+def capped_kernel_level(isa: str) -> str:
+    """The build of our kernels a run held to `isa` loads here."""
+    return isa_caps(isa).get("DUOSERVE_CPU_ARCH", "native")
 
 
 def apply_isa_cap(isa: str | None, argv: list[str]) -> None:
@@ -29,7 +45,7 @@ def apply_isa_cap(isa: str | None, argv: list[str]) -> None:
     the libraries read these variables once, when they first run."""
     if isa is None:
         return
-    caps = ISA_CAPS[isa]
+    caps = isa_caps(isa)
     if all(os.environ.get(name) == value for name, value in caps.items()):
         return
     os.execve(sys.executable, [sys.executable, *argv], {**os.environ, **caps})

@@ -90,7 +90,7 @@ def test_bench_runs_every_system_and_reports_every_figure(
     assert f"machine: {bench_machine.cpu_model()}" in done.stdout
     if capped:  # every system ran held to AVX2: torch, and our kernels' build
         assert "(capped: avx2)" in done.stdout
-        assert summary["kernel_level"] == "x86-64-v3 (avx2)"
+        assert summary["kernel_level"] == f"{bench_machine.capped_kernel_level('avx2')} (avx2)"
     calls = [json.loads(line) for line in log.open()]
     _check_the_vllm_system(summary, done.stdout, calls, tiny_model_dir)
 

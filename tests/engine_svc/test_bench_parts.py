@@ -118,6 +118,22 @@ def test_bf16_arithmetic_follows_the_cpu_flags_and_the_isa_cap(
     assert not machine.has_bf16_arithmetic()
 
 
+def test_the_avx2_cap_builds_our_kernels_again_only_where_the_cpu_has_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On AVX-512 the cap loads the x86-64-v3 build; on an AVX2-only CPU the native build is
+    the AVX2 code, and the torch, MKL and oneDNN caps are all the run needs."""
+    from engine_svc.bench import machine
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "fma", "avx512f"])
+    assert machine.isa_caps("avx2") == machine.ISA_CAPS["avx2"]
+    assert machine.capped_kernel_level("avx2") == "x86-64-v3"
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2", "fma"])
+    caps = machine.isa_caps("avx2")
+    assert "DUOSERVE_CPU_ARCH" not in caps and caps["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert machine.capped_kernel_level("avx2") == "native"
+
+
 def test_the_machine_line_names_the_fast_paths_of_the_dtype_measured() -> None:
     from engine_svc.bench import machine
     from engine_svc.kernels import packed_linear_available
