@@ -22,7 +22,7 @@ ISA_CAPS: dict[str, dict[str, str]] = {
     },
 }
 # The CPU flag above each cap: without it, the native build of our kernels is the capped
-# level's code already (vec.h), and a portable build of its own would only cost a build.
+# level's code already (vec.h), and a portable build of it would only cost a build.
 _ABOVE_CAP = {"avx2": "avx512f"}
 _FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
@@ -31,13 +31,13 @@ def isa_caps(isa: str) -> dict[str, str]:
     """The environment that holds every library to `isa` on this CPU."""
     caps = dict(ISA_CAPS[isa])
     if _ABOVE_CAP[isa] not in cpu_flags():
-        del caps["DUOSERVE_CPU_ARCH"]
+        caps["DUOSERVE_CPU_ARCH"] = "native"  # whatever the environment asked for
     return caps
 
 
 def capped_kernel_level(isa: str) -> str:
     """The build of our kernels a run held to `isa` loads here."""
-    return isa_caps(isa).get("DUOSERVE_CPU_ARCH", "native")
+    return isa_caps(isa)["DUOSERVE_CPU_ARCH"]
 
 
 def apply_isa_cap(isa: str | None, argv: list[str]) -> None:

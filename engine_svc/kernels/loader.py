@@ -330,26 +330,26 @@ def paged_decode_attention(
     )
 
 
-def other_levels(native_capability: str) -> list[str]:
-    """The x86-64 levels this CPU runs whose vector code is not the native build's: each
+def other_levels(loaded_capability: str) -> list[str]:
+    """The x86-64 levels this CPU runs whose vector code is not the loaded build's: each
     one's kernels are tested in a process of their own (tests/engine_svc/test_kernel_levels.py).
-    x86-64-v3 on an AVX-512 machine and plain x86-64 everywhere; on an AVX2 machine the
-    native build already is the AVX2 code."""
+    Beside a native build, x86-64-v3 on an AVX-512 machine and plain x86-64 everywhere; on
+    an AVX2 machine the native build already is the AVX2 code."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     flags = _cpu_flags()
     return [
         level
         for level, capability in X86_LEVELS.items()
-        if capability != native_capability and _ARCH_REQUIRES.get(level, set()) <= flags
+        if capability != loaded_capability and _ARCH_REQUIRES.get(level, set()) <= flags
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m engine_svc.kernels [--build-only | --other-levels]`: build every level asked
     for now (make install, an image build), load the one this CPU runs unless told not to,
-    and print each library's folder. With --other-levels, the native build is loaded and
-    then the x86-64 levels the tests run beside it are built too (`other_levels`)."""
+    and print each library's folder. With --other-levels, the x86-64 levels the tests run
+    beside the loaded one are built too (`other_levels`)."""
     args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     levels = build_levels()
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("CPU kernels could not be built or loaded; see the warning above")
         print(describe(torch.float32, 64))
         if "--other-levels" in args:
-            others = other_levels(build.capability)
+            others = [lv for lv in other_levels(build.capability) if lv not in levels]
             for level in others:
                 _build(level)
             levels += others

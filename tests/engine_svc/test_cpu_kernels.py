@@ -338,7 +338,8 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(tmp_path: Path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [1536, 100, 7])  # 7 and 100: a partial vector at the end
+# 7 and 100: a partial vector at the end; 24 and 48: a whole one after the pairs of vectors
+@pytest.mark.parametrize("width", [1536, 100, 48, 24, 7])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     generator = torch.Generator().manual_seed(5)
     # The fused gate_up output, rows of a wider buffer; values out to where exp saturates.

@@ -83,16 +83,17 @@ inline void store(fvec rounded, at::BFloat16* p, int64_t n) {
   }
 }
 
-__attribute__((flatten)) void rms_norm_row_bf16(const at::BFloat16* __restrict row,
+__attribute__((flatten)) void rms_norm_row_bf16(const at::BFloat16* __restrict x,
                                                 at::BFloat16* __restrict summed,
                                                 const at::BFloat16* __restrict residual,
                                                 const at::BFloat16* __restrict weight,
                                                 at::BFloat16* __restrict out, int64_t width,
                                                 float eps) {
   fvec squares(0.0f);  // lanes past the row's end add zeros
+  const at::BFloat16* row = x;  // what is normalised: x, or x + residual
   if (residual != nullptr) {  // x + residual, rounded: the new residual stream
     each_vector(width, [&](int64_t i, int64_t n) {
-      const fvec sum = round_to_bf16(load(row + i, n) + load(residual + i, n));
+      const fvec sum = round_to_bf16(load(x + i, n) + load(residual + i, n));
       store(sum, summed + i, n);
       squares = at::vec::fmadd(sum, sum, squares);
     });
@@ -120,9 +121,10 @@ void rms_norm_rows<at::BFloat16>(const at::BFloat16* __restrict x,
                                  double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      rms_norm_row_bf16(x + r * width, residual_out + r * width,
-                        residual_in == nullptr ? nullptr : residual_in + r * width, weight,
-                        out + r * width, width, static_cast<float>(eps));
+      const bool add = residual_in != nullptr;  // else both residual pointers are null
+      rms_norm_row_bf16(x + r * width, add ? residual_out + r * width : nullptr,
+                        add ? residual_in + r * width : nullptr, weight, out + r * width, width,
+                        static_cast<float>(eps));
     }
   });
 }
