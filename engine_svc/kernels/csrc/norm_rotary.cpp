@@ -225,7 +225,10 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   if (x.scalar_type() == at::kBFloat16) {
     at::BFloat16* base = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> rounded(2 * dim);  // the token's cos and sin, rounded to bfloat16
+      // The token's cos and sin, rounded to bfloat16: the thread's, kept between calls (two
+      // calls a layer every step) rather than allocated by each.
+      thread_local std::vector<float> rounded;
+      if (static_cast<int64_t>(rounded.size()) < 2 * dim) rounded.resize(2 * dim);
       for (int64_t t = begin; t < end; ++t) {
         round_row_to_bf16(c + t * dim, rounded.data(), dim);
         round_row_to_bf16(s + t * dim, rounded.data() + dim, dim);
