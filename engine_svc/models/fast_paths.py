@@ -20,6 +20,7 @@ from engine_svc.layers.linear import Projection
 from engine_svc.layers.norm import RMSNorm
 from engine_svc.models.decode_layers import DecodeLayers
 from engine_svc.models.llama import MLP, Attention, LlamaForCausalLM
+from engine_svc.worker.huge_pages import HugePageArena
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def use_fused_ops(
             copy_bytes / (1 << 30),
             limit / (1 << 30),
         )
+    # Each projection's decode weights go to huge pages as soon as their layout is made.
+    arena = HugePageArena(layout_bytes_bound(model, dtype)) if enabled else None
     for module in model.modules():
         if isinstance(module, Projection) and packed:
             module.pack()
@@ -112,9 +115,31 @@ def use_fused_ops(
             module.fused_rotary = enabled
         elif isinstance(module, MLP):
             module.fused_act = enabled and module.act == "silu"
+        if isinstance(module, Projection) and arena is not None:
+            arena.take(decode_weights(module))
+    if arena is not None:
+        arena.finish()
     model.decode_layers = DecodeLayers.of(model) if decode_loop else None
     if model.decode_layers is not None:
         logger.info("decode steps run the decoder layers in one C++ loop")
+
+
+def layout_bytes_bound(model: nn.Module, dtype: torch.dtype) -> int:
+    """At most what the projections' chosen layouts take: each packed or paired layout pads
+    its columns to a block (at most 64) and its rows to even, and a one-row copy may sit
+    beside it (twice the weight)."""
+    return sum(
+        2 * (module.out_features + 64) * (module.in_features + 1) * dtype.itemsize
+        for module in model.modules()
+        if isinstance(module, Projection)
+    )
+
+
+def decode_weights(projection: Projection) -> list[torch.Tensor]:
+    """The weights a decode step reads of this projection (Projection.kernel_args): its
+    one-row weight and its main path's."""
+    row_weight, weight, _ = projection.kernel_args()[0]
+    return [t for t in (row_weight, weight) if t is not None]
 
 
 def tensor_bytes(model: nn.Module) -> int:

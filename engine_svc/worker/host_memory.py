@@ -61,7 +61,7 @@ def populate(tensors: Sequence[torch.Tensor], stop: threading.Event | None = Non
     POPULATE_CHUNK_BYTES of each, then the next, and so on: the low block ids of every layer
     come first. The GIL is released during each call (ctypes). False if the kernel does not
     take the advice (the pages then come on first write) or `stop` was set."""
-    madvise = _libc().madvise
+    madvise = libc().madvise
     longest = max((t.untyped_storage().nbytes() for t in tensors), default=0)
     for offset in range(0, longest, POPULATE_CHUNK_BYTES):
         for tensor in tensors:
@@ -138,10 +138,10 @@ def _stop_populating() -> None:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+def libc() -> ctypes.CDLL:
+    handle = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    handle.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return handle
 
 
 @functools.cache
@@ -165,7 +165,7 @@ def keep_freed_activations() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = _libc().mallopt
+        mallopt = libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl): leave the allocator alone
         return False
     done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1

@@ -65,13 +65,13 @@ def test_pages_are_mapped_when_populated_lowest_offsets_first(
     tensors = [zeroed_host_tensor((256, mmap.PAGESIZE // 4), torch.float32) for _ in range(3)]
     assert [_resident_pages(t) for t in tensors] == [0, 0, 0]  # lazy until populated
     calls: list[tuple[int, int]] = []
-    libc_madvise = host_memory._libc().madvise
+    libc_madvise = host_memory.libc().madvise
 
     def recording(address: int, length: int, advice: int) -> int:
         calls.append((address, length))
         return int(libc_madvise(address, length, advice))
 
-    monkeypatch.setattr(host_memory, "_libc", lambda: type("L", (), {"madvise": recording}))
+    monkeypatch.setattr(host_memory, "libc", lambda: type("L", (), {"madvise": recording}))
     assert populate(tensors)
     assert [_resident_pages(t) for t in tensors] == [256, 256, 256]
     # Round by round: the first 64 pages of every tensor, then the next 64, ...
@@ -140,7 +140,7 @@ def test_a_stop_during_a_round_ends_it_after_the_chunk_in_progress(
     not each round, so a thread starved of CPU still stops within one madvise call."""
     stop = threading.Event()
     calls: list[int] = []
-    madvise = host_memory._libc().madvise
+    madvise = host_memory.libc().madvise
 
     class StopsAfterOneChunk:
         def madvise(self, address: int, length: int, advice: int) -> int:
@@ -148,7 +148,7 @@ def test_a_stop_during_a_round_ends_it_after_the_chunk_in_progress(
             stop.set()
             return int(madvise(address, length, advice))
 
-    monkeypatch.setattr(host_memory, "_libc", StopsAfterOneChunk)
+    monkeypatch.setattr(host_memory, "libc", StopsAfterOneChunk)
     tensors = [zeroed_host_tensor((4, 1000), torch.float32) for _ in range(48)]
     assert populate(tensors, stop) is False
     assert len(calls) == 1
