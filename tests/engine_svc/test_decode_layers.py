@@ -212,9 +212,11 @@ def test_each_projection_path(llm_of: Any, path: str, monkeypatch: pytest.Monkey
     projections = [m for m in _model(llm).model.modules() if isinstance(m, Projection)]
     assert {p.kernel_args()[1][0] for p in projections} == {expected}
     assert all(p.row_gemv == rows for p in projections)
-    # What a decode step reads sits in one region of huge pages (oneDNN's opaque layout stays).
+    # What a decode step reads sits in one region of huge pages; oneDNN's opaque layout stays
+    # where it is, so on oneDNN alone (no one-row copy) nothing moves.
     read = [t for p in projections for t in fast_paths.decode_weights(p) if not t.is_mkldnn]
-    assert len({t.untyped_storage().data_ptr() for t in read}) == 1
+    assert bool(read) == (path != "onednn")
+    assert len({t.untyped_storage().data_ptr() for t in read}) == min(len(read), 1)
     both = _run(llm)
     assert 1 in both.steps and 3 in both.steps
 
