@@ -113,6 +113,9 @@ class KernelBuild:
     prefill_panel: int  # the prefill kernel's K/V panel width: head_dim must be a multiple
     # bfloat16 decode attention scores by AVX512-BF16 dot products (paged_attention.cpp).
     bf16_dot_products: bool = False
+    # bfloat16 projections over pairs of k multiplied by AMX's tiles from 4 rows
+    # (bf16_pairs_linear.cpp).
+    amx_tiles: bool = False
 
     @property
     def fast(self) -> bool:
@@ -133,6 +136,7 @@ def loaded_build() -> KernelBuild | None:
         tuple(int(v) for v in ops.packed_block_vectors()),
         int(ops.prefill_attention_panel()),
         bool(ops.bf16_dot_products()),
+        bool(ops.amx_tiles()),
     )
 
 
@@ -148,7 +152,8 @@ def describe(dtype: torch.dtype, head_dim: int) -> str:
     if packed_linear_available(dtype):
         paths.insert(0, "packed projections")
     elif bf16_pairs_available(dtype):
-        paths.insert(0, "projections on bfloat16 pairs (AVX512-BF16 dot products)")
+        tiles = "; AMX tiles from 4 rows" if build.amx_tiles else ""
+        paths.insert(0, f"projections on bfloat16 pairs (AVX512-BF16 dot products{tiles})")
     elif onednn_linear_available(dtype):
         paths.insert(0, "projections on prepacked oneDNN weights")
     elif row_gemv_available(dtype):
@@ -240,16 +245,21 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
 def bf16_pairs_available(dtype: torch.dtype) -> bool:
     """Whether bfloat16 projections take `bf16_pairs_linear` (bf16_pairs_linear.cpp) over
     weights packed in pairs of k (prompt steps too, where no oneDNN copy is kept beside them:
-    Projection.use_bf16_pairs): on AVX512-BF16 without AMX, in a build with its dot
-    products. Measured on the Zen 5 (SmolLM2-135M's 120 decoder projections and
-    LM head, weights streaming from memory): 64 rows 19.4 ms against oneDNN's prepacked 23.9,
-    1 row 4.4-5.5 against 5.6-6.1 (and the row GEMV's 5.6), 256 rows 73.7 against 75-77; a
-    2,048-row prefill projection 0.95-0.97x oneDNN's. Where the CPU has AMX, oneDNN's AMX
-    kernels stay."""
-    if dtype != torch.bfloat16 or torch.cpu._is_amx_tile_supported():
+    Projection.use_bf16_pairs): on AVX512-BF16, in a build with its dot products, and where
+    the CPU has AMX only in a build that multiplies the pairs with its tiles (oneDNN's AMX
+    kernels beat the dot products at a batch's rows). Measured on the Zen 5 (SmolLM2-135M's
+    120 decoder projections and LM head, weights streaming from memory): 64 rows 19.4 ms
+    against oneDNN's prepacked 23.9, 1 row 4.4-5.5 against 5.6-6.1 (and the row GEMV's 5.6),
+    256 rows 73.7 against 75-77; a 2,048-row prefill projection 0.95-0.97x oneDNN's. On the
+    Xeon with AMX, on huge pages: 1 row 9.6-10.3 ms against the row GEMV's 16.4 and oneDNN's
+    18.6-22.2, 16 rows 12.7-13.6 against oneDNN's 18.8-21.2, 64 rows 17.5-23.8 against
+    24.2-25.1, 2,048 rows 1.5x oneDNN's time (bf16_pairs_linear.cpp)."""
+    if dtype != torch.bfloat16:
         return False
     build = loaded_build()
-    return build is not None and build.fast and build.bf16_dot_products
+    if build is None or not (build.fast and build.bf16_dot_products):
+        return False
+    return build.amx_tiles or not torch.cpu._is_amx_tile_supported()
 
 
 def _onednn_isa_allows_bf16() -> bool:

@@ -5,8 +5,8 @@ GEMM then skips transposing the weight while packing it at every call (decode's 
 matmuls ran 1.4x faster), with bit-identical results. With the C++ CPU kernels on, float32
 projections go further: their weights are packed once into the blocks a GEMM micro-kernel
 reads (`Projection.pack`); bfloat16 ones are packed once in pairs of k for AVX512-BF16's dot
-products (`Projection.use_bf16_pairs`) on CPUs that have them without AMX, or, where torch's
-bfloat16 matmul is oneDNN's on AMX, reordered once into oneDNN's own blocked layout
+products and AMX's tiles (`Projection.use_bf16_pairs`) on CPUs that have them, or, where
+torch's bfloat16 matmul is oneDNN's otherwise, reordered once into oneDNN's own blocked layout
 (`Projection.use_onednn`).
 """
 
@@ -97,11 +97,12 @@ class Projection(nn.Module):
         self._drop_plain_weights()
 
     def use_bf16_pairs(self, onednn_copy: bool = False) -> None:
-        """bfloat16 on AVX512-BF16 without AMX: the weight packed once in pairs of k, which
+        """bfloat16 on AVX512-BF16: the weight packed once in pairs of k, which
         `bf16_pairs_linear` multiplies with vdpbf16ps, fetching each panel's successor while
-        it computes (oneDNN's kernel waited on each streaming panel). Sums in float32 in k
-        order, rounded once: F.linear's result but for about one output in 20,000, one
-        bfloat16 unit apart. A tied LM head gets a packed copy.
+        it computes (oneDNN's kernel waited on each streaming panel), and with AMX's tiles
+        from 4 rows where the CPU has them. Sums in float32 in k order, rounded once:
+        F.linear's result but for about one output in 20,000, one bfloat16 unit apart. A
+        tied LM head gets a packed copy.
 
         `onednn_copy`: oneDNN's prepacked layout is kept too, for steps of more than
         PAIRS_MAX_ROWS rows (prompts), where oneDNN's kernel is the faster."""
@@ -114,7 +115,8 @@ class Projection(nn.Module):
         self._drop_plain_weights()
 
     def use_onednn(self, keep_rows: bool = False) -> None:
-        """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX, AVX512-BF16): the weight
+        """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX, AVX512-BF16) and the pairs
+        layout is not taken (an odd in_features, or a build without the pairs): the weight
         reordered once
         into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
         prepacking does, instead of at every call. Results were F.linear's bit for bit on

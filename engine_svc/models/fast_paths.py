@@ -26,9 +26,10 @@ logger = logging.getLogger(__name__)
 
 # bfloat16 on AMX or AVX512-BF16: models whose projection weights take at most this, and at
 # most this share of what the worker's memory budget leaves after the weights (the KV
-# cache's and the activations' room), keep a second copy of them: [out, in] for one-row
-# steps on AMX (Projection.use_onednn's keep_rows), oneDNN's prepacked layout for prompt
-# steps beside the pairs of k on AVX512-BF16 (Projection.use_bf16_pairs' onednn_copy).
+# cache's and the activations' room), keep a second copy of them: oneDNN's prepacked layout
+# for prompt steps beside the pairs of k (Projection.use_bf16_pairs' onednn_copy), or
+# [out, in] for one-row steps beside oneDNN's layout where the pairs are not taken
+# (Projection.use_onednn's keep_rows).
 # Past either, the copy's memory goes to the KV cache.
 ONE_ROW_COPY_MAX_BYTES = 1 << 30
 ONE_ROW_COPY_ROOM_SHARE = 1 / 4
@@ -53,13 +54,13 @@ def use_fused_ops(
 ) -> None:
     """RMSNorm (with the residual add), rotary and silu(gate) * up as the C++ CPU kernels'
     single passes, and the projections on packed weights where that kernel serves the dtype
-    (bfloat16 on AVX512-BF16 without AMX: packed in pairs of k for its dot products where
+    (bfloat16 on AVX512-BF16: packed in pairs of k for its dot products and AMX's tiles where
     in_features is even, prompt steps on a copy in oneDNN's prepacked layout where it fits
-    one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (AMX, or an
-    odd in_features): prepacked in oneDNN's layout, single rows through the row GEMV on a
-    copy of the weights where it fits that limit; elsewhere a single row through the row
-    GEMV, more rows through torch). `decode_loop`: decode steps run the layers in one C++
-    call where it describes them (models/decode_layers.py)."""
+    one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (an odd
+    in_features, a build without the pairs): prepacked in oneDNN's layout, single rows
+    through the row GEMV on a copy of the weights where it fits that limit; elsewhere a
+    single row through the row GEMV, more rows through torch). `decode_loop`: decode steps
+    run the layers in one C++ call where it describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)
     onednn = enabled and onednn_linear_available(dtype)

@@ -1,8 +1,8 @@
 """bfloat16 projections over weights packed in pairs of k (engine_svc/kernels/csrc/
-bf16_pairs_linear.cpp), on AVX512-BF16: float32 sums rounded once, so each output is the
-float64 product's bfloat16 rounding or a unit beside it, and nearly all of them are
-F.linear's (oneDNN's) bit for bit; and the engine takes the path exactly where the CPU has
-those dot products without AMX."""
+bf16_pairs_linear.cpp), on AVX512-BF16 and, from 4 rows, AMX's tiles: float32 sums rounded
+once, so each output is the float64 product's bfloat16 rounding or a unit beside it, and
+nearly all of them are F.linear's (oneDNN's) bit for bit; and the engine takes the path
+exactly where the CPU has those dot products, on an AMX CPU only in a build with its tiles."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from engine_svc.layers.linear import PAIRS_MAX_ROWS, PAIRS_PATH, Projection
 
 needs_pairs = pytest.mark.skipif(
     not bf16_pairs_available(torch.bfloat16),
-    reason="the pairs kernel needs AVX512-BF16 without AMX and a build with its dot products",
+    reason="the pairs kernel needs AVX512-BF16, a build with its dot products and, on a CPU "
+    "with AMX, with AMX's tiles",
 )
 
 
@@ -33,7 +34,9 @@ def _operands(
 
 
 @needs_pairs
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 130])
+# 1-3 rows: the dot products; from 4, AMX's tiles where the build has them (whole tiles of 16
+# rows, a partial one, two row tiles a pass and a lone one).
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 16, 33, 64, 130])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (70, 334)])
 @torch.inference_mode()
@@ -110,17 +113,44 @@ def test_a_projection_packs_once_and_keeps_a_tied_weight() -> None:
     assert (tied(x) == F.linear(x, weight)).double().mean().item() > 0.99
 
 
-def test_the_path_is_taken_where_the_cpu_has_bf16_dot_products_without_amx() -> None:
+def test_the_path_is_taken_where_the_cpu_has_bf16_dot_products_and_on_amx_its_tiles() -> None:
     build = loaded_build() if cpu_kernels_available() else None
+    amx = torch.cpu._is_amx_tile_supported()
     expected = (
         build is not None
         and build.fast
         and build.bf16_dot_products
         and "avx512_bf16" in _cpu_flags()
-        and not torch.cpu._is_amx_tile_supported()
+        and (build.amx_tiles or not amx)
     )
     assert bf16_pairs_available(torch.bfloat16) == expected
     assert not bf16_pairs_available(torch.float32)
+    if build is not None and build.level == "native" and build.bf16_dot_products:
+        # -march=native on an AMX CPU compiles the tiles in (gcc 11 and later).
+        assert build.amx_tiles == ({"amx_tile", "amx_bf16"} <= _cpu_flags())
+
+
+@needs_pairs
+@pytest.mark.skipif(
+    loaded_build() is None or not loaded_build().amx_tiles,  # type: ignore[union-attr]
+    reason="AMX's tiles need an AMX CPU and a build with them",
+)
+@torch.inference_mode()
+def test_amx_rows_are_the_dot_products_rows_but_for_a_unit_here_and_there() -> None:
+    # Both sum the pairs in float32 in k order; AMX rounds inside a pair otherwise now and then.
+    x, weight, bias_value = _operands(64, 960, 576, bias=True)
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    tiles = torch.ops.duoserve.bf16_pairs_linear(x, packed, 960, bias_value)
+    rows = torch.cat(
+        [
+            torch.ops.duoserve.bf16_pairs_linear(x[i : i + 1], packed, 960, bias_value)
+            for i in range(64)
+        ]
+    )
+    differ = tiles != rows
+    assert differ.double().mean().item() < 1e-3
+    units = (tiles.float() - rows.float()).abs() / rows.float().abs().clamp_min(2**-100)
+    assert (units[differ] <= 2**-7).all()  # one bfloat16 unit apart
 
 
 @needs_pairs

@@ -59,6 +59,17 @@ constexpr bool kBf16DotProducts = true;
 constexpr bool kBf16DotProducts = false;
 #endif
 
+// AMX's bfloat16 tiles (Intel from Sapphire Rapids), where the build's -march has them beside
+// AVX512-BF16 (bf16_pairs_linear.cpp multiplies its panels with them; Linux only, which
+// hands a process the tile registers on request).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+    defined(__AMX_BF16__) && defined(__linux__)
+#define DUOSERVE_AMX_TILES 1
+#else
+#define DUOSERVE_AMX_TILES 0
+#endif
+constexpr bool kAmxTiles = DUOSERVE_AMX_TILES;
+
 // Vector registers of the level: the register-tile kernels size their accumulators to fit.
 #if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
 constexpr int kVectorRegisters = 32;
