@@ -113,8 +113,9 @@ class KernelBuild:
     prefill_panel: int  # the prefill kernel's K/V panel width: head_dim must be a multiple
     # bfloat16 decode attention scores by AVX512-BF16 dot products (paged_attention.cpp).
     bf16_dot_products: bool = False
-    # bfloat16 projections over pairs of k multiplied by AMX's tiles from 4 rows
-    # (bf16_pairs_linear.cpp).
+    # bfloat16 projections over pairs of k multiplied by AMX's tiles from 4 rows, where
+    # in_features is a multiple of 32 (bf16_pairs_linear.cpp): built with them, and the
+    # kernel grants this process the tile registers.
     amx_tiles: bool = False
 
     @property
@@ -136,7 +137,7 @@ def loaded_build() -> KernelBuild | None:
         tuple(int(v) for v in ops.packed_block_vectors()),
         int(ops.prefill_attention_panel()),
         bool(ops.bf16_dot_products()),
-        bool(ops.amx_tiles()),
+        bool(ops.amx_tiles_usable()),
     )
 
 
@@ -253,7 +254,7 @@ def bf16_pairs_available(dtype: torch.dtype) -> bool:
     256 rows 73.7 against 75-77; a 2,048-row prefill projection 0.95-0.97x oneDNN's. On the
     Xeon with AMX, on huge pages: 1 row 9.6-10.3 ms against the row GEMV's 16.4 and oneDNN's
     18.6-22.2, 16 rows 12.7-13.6 against oneDNN's 18.8-21.2, 64 rows 17.5-23.8 against
-    24.2-25.1, 2,048 rows 1.5x oneDNN's time (bf16_pairs_linear.cpp)."""
+    24.2-25.1, 2,048 rows 1.3x oneDNN's time (bf16_pairs_linear.cpp)."""
     if dtype != torch.bfloat16:
         return False
     build = loaded_build()

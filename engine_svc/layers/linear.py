@@ -5,9 +5,9 @@ GEMM then skips transposing the weight while packing it at every call (decode's 
 matmuls ran 1.4x faster), with bit-identical results. With the C++ CPU kernels on, float32
 projections go further: their weights are packed once into the blocks a GEMM micro-kernel
 reads (`Projection.pack`); bfloat16 ones are packed once in pairs of k for AVX512-BF16's dot
-products and AMX's tiles (`Projection.use_bf16_pairs`) on CPUs that have them, or, where
-torch's bfloat16 matmul is oneDNN's otherwise, reordered once into oneDNN's own blocked layout
-(`Projection.use_onednn`).
+products, and AMX's tiles where the CPU has them (`Projection.use_bf16_pairs`), on CPUs with
+AVX512-BF16, or, where torch's bfloat16 matmul is oneDNN's otherwise, reordered once into
+oneDNN's own blocked layout (`Projection.use_onednn`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH, PAIRS_PATH = 1, 2, 3, 4, 5
 # the pairs kernel and more (prompt steps) through oneDNN's prepacked weights. On the Zen 5,
 # with the weights streaming: the pairs kernel 19.4 ms at 64 rows for SmolLM2-135M's
 # projections against oneDNN's 23.9, 73.7 at 256 against 75-77; in the engine, a batch's
-# 2,048-token prompt steps ran 15% slower on pairs alone (2.83-3.02 s against 2.36-2.63).
+# 2,048-token prompt steps ran 15% slower on pairs alone (2.83-3.02 s against 2.36-2.63). On
+# the Xeon with AMX the pairs were still the faster at 512 rows (92-95 ms against 106) and
+# oneDNN at 2,048 (334-348 against 426-454).
 PAIRS_MAX_ROWS = 256
 
 
@@ -49,7 +51,8 @@ class Projection(nn.Module):
     embeddings); `weight_t`, [in, out], for torch's matmul, set by `transpose()`; and
     `weight_packed`, column blocks for the C++ kernel (engine_svc/kernels/csrc/
     packed_linear.cpp), set by `pack()`, `weight_pairs`, pairs of k for AVX512-BF16's dot
-    products (kernels/csrc/bf16_pairs_linear.cpp), set by `use_bf16_pairs()`, or
+    products and AMX's tiles (kernels/csrc/bf16_pairs_linear.cpp), set by
+    `use_bf16_pairs()`, or
     `weight_onednn`, oneDNN's opaque blocked layout, set by `use_onednn()`; each replaces the
     others (but a `shared_weight`, tied to the
     embeddings, stays). The model chooses a layout once, at load time."""
@@ -100,9 +103,10 @@ class Projection(nn.Module):
         """bfloat16 on AVX512-BF16: the weight packed once in pairs of k, which
         `bf16_pairs_linear` multiplies with vdpbf16ps, fetching each panel's successor while
         it computes (oneDNN's kernel waited on each streaming panel), and with AMX's tiles
-        from 4 rows where the CPU has them. Sums in float32 in k order, rounded once:
-        F.linear's result but for about one output in 20,000, one bfloat16 unit apart. A
-        tied LM head gets a packed copy.
+        from 4 rows where the CPU has them and in_features is a multiple of 32. Sums in
+        float32 in k order, rounded once: F.linear's result but for about one output in
+        20,000 (10,000 with AMX), one bfloat16 unit apart. A tied LM head gets a packed
+        copy.
 
         `onednn_copy`: oneDNN's prepacked layout is kept too, for steps of more than
         PAIRS_MAX_ROWS rows (prompts), where oneDNN's kernel is the faster."""
@@ -116,10 +120,10 @@ class Projection(nn.Module):
 
     def use_onednn(self, keep_rows: bool = False) -> None:
         """bfloat16 where torch's bfloat16 matmul is oneDNN's (AMX, AVX512-BF16) and the pairs
-        layout is not taken (an odd in_features, or a build without the pairs): the weight
-        reordered once
-        into the blocked layout oneDNN's kernels read, as torch.compile's CPU weight
-        prepacking does, instead of at every call. Results were F.linear's bit for bit on
+        layout is not taken (an odd in_features; a build without AVX512-BF16's dot products,
+        or on an AMX CPU without AMX's tiles): the weight reordered once into the blocked
+        layout oneDNN's kernels read, as torch.compile's CPU weight prepacking does, instead
+        of at every call. Results were F.linear's bit for bit on
         the AMX Xeon (test_onednn_linear.py checks it wherever this path is taken). A tied
         LM head gets a prepacked copy of the embeddings, as `pack()` does.
 

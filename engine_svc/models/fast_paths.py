@@ -57,7 +57,8 @@ def use_fused_ops(
     (bfloat16 on AVX512-BF16: packed in pairs of k for its dot products and AMX's tiles where
     in_features is even, prompt steps on a copy in oneDNN's prepacked layout where it fits
     one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (an odd
-    in_features, a build without the pairs): prepacked in oneDNN's layout, single rows
+    in_features; a build without AVX512-BF16's dot products, or on an AMX CPU without AMX's
+    tiles): prepacked in oneDNN's layout, single rows
     through the row GEMV on a copy of the weights where it fits that limit; elsewhere a
     single row through the row GEMV, more rows through torch). `decode_loop`: decode steps
     run the layers in one C++ call where it describes them (models/decode_layers.py)."""

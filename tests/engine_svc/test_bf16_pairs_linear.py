@@ -38,7 +38,11 @@ def _operands(
 # rows, a partial one, two row tiles a pass and a lone one).
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 16, 33, 64, 130])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (70, 334)])
+# The last two: a last panel of 6 and of 26 columns (under and over a half of 16) where k
+# is in whole AMX tiles.
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(960, 576), (576, 1536), (70, 334), (70, 352), (90, 320)]
+)
 @torch.inference_mode()
 def test_outputs_are_the_rounded_float32_sums(
     rows: int, bias: bool, out_features: int, in_features: int

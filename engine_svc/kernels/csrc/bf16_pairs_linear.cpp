@@ -145,14 +145,18 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
 // On the 2-core Xeon with AMX, SmolLM2-135M's 120 decoder projections and LM head with the
 // weights on huge pages, streaming from memory (ms for all 121, alternating in one process):
 // 16 rows 12.7-13.6 against oneDNN's prepacked 18.8-21.2; 64 rows 17.5-23.8 against
-// 24.2-25.1; 512 rows 92-95 against 106; 2,048 rows 490-504 against 324-353 (there the
-// activations no longer stay in cache: prompt steps keep oneDNN's copy where it fits).
-// Under 4 rows the dot products (memory-bound, no tile set-up) are the faster: 2 rows
-// 11.6-12.1 against 13.4-13.6.
+// 24.2-25.1; 512 rows 92-95 against 106; 2,048 rows 426-454 against oneDNN's 334-348
+// (prompt steps keep oneDNN's copy where it fits). Under 4 rows the dot products
+// (memory-bound, no tile set-up) are the faster: 2 rows 11.6-12.1 against 13.4-13.6.
 
 constexpr int64_t kAmxMinRows = 4;
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileK = 32;
+// Rows a thread takes through all of its panels before the next rows: a prompt step's
+// activations stay in L2 while the thread's panels pass by (2,048 rows in one chunk re-read
+// them from L3 for every panel: the 121 projections 477-515 ms against 426-454 in chunks
+// of 256 or 512).
+constexpr int64_t kChunkRows = 256;
 
 // The tile registers' shapes (palette 1), every tile 16 rows of 64 bytes: 0-3 sums (two
 // row tiles by two column halves), 4-5 rows of A, 6-7 the panel's column halves.
@@ -250,10 +254,15 @@ void amx_gemm(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     __at_align__ float sums[2 * kTileRows * 16];
     load_tile_config();  // the tile state is each thread's own
-    for (int64_t b = begin; b < end; ++b) {
-      amx_panel(a, lda, m, m_padded, packed + b * panel_size, pairs,
-                bias != nullptr ? bias + b * kPairsBlock : nullptr, c + b * kPairsBlock, n,
-                std::min(kPairsBlock, n - b * kPairsBlock), sums);
+    for (int64_t r0 = 0; r0 < m_padded; r0 += kChunkRows) {
+      const int64_t rows = std::min(kChunkRows, m - r0);
+      const int64_t rows_padded = std::min(kChunkRows, m_padded - r0);
+      for (int64_t b = begin; b < end; ++b) {
+        amx_panel(a + r0 * lda, lda, rows, rows_padded, packed + b * panel_size, pairs,
+                  bias != nullptr ? bias + b * kPairsBlock : nullptr,
+                  c + r0 * n + b * kPairsBlock, n, std::min(kPairsBlock, n - b * kPairsBlock),
+                  sums);
+      }
     }
     _tile_release();
   });
@@ -267,6 +276,16 @@ bool amx_takes(int64_t rows, int64_t pairs) {
 #endif  // DUOSERVE_AMX_TILES
 
 #endif
+
+// Whether this process multiplies pairs with AMX's tiles: built with them, and the
+// kernel granted them.
+bool amx_tiles_usable() {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && DUOSERVE_AMX_TILES
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                              const std::optional<at::Tensor>& bias) {
@@ -296,8 +315,9 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
     const int64_t m_padded = (m + kTileRows - 1) / kTileRows * kTileRows;
     at::Tensor rows = a;
     if (m_padded != m) {
-      rows = at::zeros({m_padded, a.size(1)}, a.options());
+      rows = at::empty({m_padded, a.size(1)}, a.options());
       rows.narrow(0, 0, m).copy_(a);
+      rows.narrow(0, m, m_padded - m).zero_();
     }
     amx_gemm(rows.const_data_ptr<at::BFloat16>(), rows.stride(0), m, m_padded,
              packed.const_data_ptr<at::BFloat16>(), packed.size(0), pairs,
@@ -323,6 +343,7 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
 TORCH_LIBRARY_FRAGMENT(duoserve, m) {
   m.def("pack_bf16_pairs(Tensor weight) -> Tensor");
   m.def("bf16_pairs_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("amx_tiles_usable() -> bool", &amx_tiles_usable);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {

@@ -1,7 +1,7 @@
 // What this build of the kernels was compiled for, so Python can size packed weights and
 // choose fast paths: the vector level (vec.h), its float32 lanes, whether it has AVX512-BF16's
-// dot products and AMX's tiles, and the widths of packed weight blocks in the register tile's
-// order of preference (gemm_tile.h).
+// dot products, and the widths of packed weight blocks in the register tile's order of
+// preference (gemm_tile.h).
 
 #include "vec.h"
 
@@ -21,8 +21,6 @@ std::string cpu_capability() { return DUOSERVE_CAPABILITY; }
 int64_t vector_lanes() { return kLanes; }
 
 bool bf16_dot_products() { return kBf16DotProducts; }
-
-bool amx_tiles() { return kAmxTiles; }
 
 // A tile of r rows by v vectors does r * v FMAs per r + v loads: the more FMAs per load,
 // the nearer the tile runs to the FMA units' peak (AVX-512: 4 vectors, then 3, then 2;
@@ -46,7 +44,6 @@ TORCH_LIBRARY_FRAGMENT(duoserve, m) {
   m.def("cpu_capability() -> str", &cpu_capability);
   m.def("vector_lanes() -> int", &vector_lanes);
   m.def("bf16_dot_products() -> bool", &bf16_dot_products);
-  m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("packed_block_vectors() -> int[]", &packed_block_vectors);
 }
 

@@ -45,7 +45,7 @@ enum Path : int64_t {
   kPacked = 2,   // packed column blocks (duoserve::packed_linear)
   kMatmul = 3,   // [in, out]: x @ w, or addmm with a bias
   kLinear = 4,   // [out, in]: F.linear
-  kPairs = 5,    // pairs of k for AVX512-BF16 (duoserve::bf16_pairs_linear)
+  kPairs = 5,    // pairs of k for AVX512-BF16 and AMX (duoserve::bf16_pairs_linear)
 };
 
 // The operators, looked up once: the dispatcher's typed handles.

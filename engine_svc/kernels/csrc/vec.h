@@ -68,7 +68,6 @@ constexpr bool kBf16DotProducts = false;
 #else
 #define DUOSERVE_AMX_TILES 0
 #endif
-constexpr bool kAmxTiles = DUOSERVE_AMX_TILES;
 
 // Vector registers of the level: the register-tile kernels size their accumulators to fit.
 #if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
