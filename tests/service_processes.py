@@ -2,17 +2,22 @@
 engine service (and how to talk to it) and the frontend, free ports, bounded waits.
 
 Every wait is bounded; `stop()` kills a service's whole process group (engines included).
+The services' temporary folders (their engines' IPC sockets) go under one folder of this
+test session's, removed when it ends: a service killed with SIGKILL cannot remove its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -34,6 +39,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 _handed_out: set[int] = set()
+
+SERVICE_TMPDIR = Path(tempfile.mkdtemp(prefix="duoserve-tests-"))
+atexit.register(shutil.rmtree, SERVICE_TMPDIR, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -97,7 +105,12 @@ class ServiceProcess:
                    "--metrics-port", str(self.metrics_port), *args]  # fmt: skip
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                cwd=REPO_ROOT,
+                env={**os.environ, "TMPDIR": str(SERVICE_TMPDIR)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def log(self) -> str:
