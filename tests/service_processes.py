@@ -44,6 +44,12 @@ SERVICE_TMPDIR = Path(tempfile.mkdtemp(prefix="duoserve-tests-"))
 atexit.register(shutil.rmtree, SERVICE_TMPDIR, ignore_errors=True)
 
 
+def service_env(**extra: str) -> dict[str, str]:
+    """The environment for a service a test starts: this one, with TMPDIR in the session's
+    folder (removed at exit, whatever the test does to the service), and `extra`."""
+    return {**os.environ, "TMPDIR": str(SERVICE_TMPDIR), **extra}
+
+
 def free_port() -> int:
     """A 127.0.0.1 port nothing listens on that this process has not handed out before: the
     kernel may give the port a closed probe socket had to the very next probe, and a service
@@ -107,7 +113,7 @@ class ServiceProcess:
             self.process = subprocess.Popen(
                 command,
                 cwd=REPO_ROOT,
-                env={**os.environ, "TMPDIR": str(SERVICE_TMPDIR)},
+                env=service_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

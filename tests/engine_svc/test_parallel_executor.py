@@ -36,6 +36,7 @@ from tests.service_processes import (
     engine_stub,
     generate_request,
     run_async,
+    service_env,
     start_service,
     three_free_ports,
 )
@@ -306,7 +307,7 @@ def test_two_nodes_on_loopback_give_the_single_workers_tokens(
     node1 = subprocess.Popen(
         [sys.executable, "-m", "engine_svc", "--model", str(tiny_model_dir), *COMMON_ARGS,
          *layout, "--node-rank", "1"],
-        stdout=node1_log, stderr=subprocess.STDOUT,
+        env=service_env(), stdout=node1_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         service = start_service(tiny_model_dir, tmp_path / "node0.log", *COMMON_ARGS, *layout)

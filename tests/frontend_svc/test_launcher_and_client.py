@@ -19,7 +19,7 @@ import pytest
 
 from shared.protos import engine_pb2, engine_pb2_grpc
 from tests.process_tree import child_pids, descendants, is_alive
-from tests.service_processes import REPO_ROOT, free_port
+from tests.service_processes import REPO_ROOT, free_port, service_env
 from tests.shared.tls_certs import make_authority
 
 READY_TIMEOUT_S = 120.0
@@ -56,7 +56,12 @@ def start_launcher(
                "--port", str(port), "--engine-port", str(engine_port),
                "--engine-arg=--num-kv-blocks=256", *extra_args]  # fmt: skip
     return subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        command,
+        cwd=REPO_ROOT,
+        env=service_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
 
 

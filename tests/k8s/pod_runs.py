@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_svc.kernels import loader
 from tests.k8s.manifests import REPO_ROOT, Manifest, of_kind
+from tests.service_processes import service_env
 
 START_TIMEOUT_S = 300.0
 EXIT_SLACK_S = 15.0
@@ -71,7 +72,7 @@ def running(
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             cwd=REPO_ROOT,
-            env={**os.environ, **image, **environment},
+            env=service_env(**image, **environment),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so teardown reaches the engine's own processes too
