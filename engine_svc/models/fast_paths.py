@@ -58,9 +58,9 @@ def use_fused_ops(
     in_features is even, prompt steps on a copy in oneDNN's prepacked layout where it fits
     one_row_copy_limit(budget_bytes); where torch's matmul is oneDNN's otherwise (an odd
     in_features; a build without AVX512-BF16's dot products, or on an AMX CPU without AMX's
-    tiles): prepacked in oneDNN's layout, single rows
-    through the row GEMV on a copy of the weights where it fits that limit; elsewhere a
-    single row through the row GEMV, more rows through torch). `decode_loop`: decode steps
+    tiles): prepacked in oneDNN's layout, single rows through the row GEMV on a copy of the
+    weights where it fits that limit; elsewhere a single row through the row GEMV, more
+    rows through torch). `decode_loop`: decode steps
     run the layers in one C++ call where it describes them (models/decode_layers.py)."""
     model.fused_ops = enabled
     packed = enabled and packed_linear_available(dtype)

@@ -56,6 +56,24 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
 constexpr int kVecs = kPairsBlock / 16;
 constexpr int kMaxRows = 12;  // 24 accumulators, 2 panel vectors and the broadcast pair
 
+// The first `cols` lanes of a vector of columns (none where cols <= 0).
+inline __mmask16 column_mask(int64_t cols) {
+  return static_cast<__mmask16>((1u << std::clamp<int64_t>(cols, 0, 16)) - 1u);
+}
+
+// The bias of a vector of columns, or zeros without one.
+inline __m512 bias_lanes(const float* bias, __mmask16 mask) {
+  return bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+}
+
+// A vector of sums plus the bias (where there is one: -0 stays -0 without), rounded to
+// bfloat16 once, into c's lanes under mask.
+inline void store_rounded(__m512 sum, bool has_bias, __m512 bias, __mmask16 mask,
+                          at::BFloat16* c) {
+  if (has_bias) sum = _mm512_add_ps(sum, bias);
+  _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+}
+
 template <int kRows>
 void pairs_tile(const at::BFloat16* __restrict a, int64_t lda, const at::BFloat16* __restrict panel,
                 int64_t pairs, const float* __restrict bias, at::BFloat16* __restrict c,
@@ -81,14 +99,10 @@ void pairs_tile(const at::BFloat16* __restrict a, int64_t lda, const at::BFloat1
     }
   }
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v)
-                                       : _mm512_setzero_ps();
+    const __mmask16 mask = column_mask(cols - 16 * v);
+    const __m512 add = bias_lanes(bias == nullptr ? nullptr : bias + 16 * v, mask);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 sum = bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v];
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sum);
-      _mm256_mask_storeu_epi16(c + r * ldc + 16 * v, mask, rounded);
+      store_rounded(acc[r][v], bias != nullptr, add, mask, c + r * ldc + 16 * v);
     }
   }
 }
@@ -192,12 +206,10 @@ void load_tile_config() {
 // `cols` columns.
 void store_sums(const float* __restrict sums, const float* __restrict bias,
                 at::BFloat16* __restrict c, int64_t ldc, int64_t rows, int64_t cols) {
-  const int64_t lanes = std::clamp<int64_t>(cols, 0, 16);
-  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-  const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  const __mmask16 mask = column_mask(cols);
+  const __m512 add = bias_lanes(bias, mask);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + r * 16), add);
-    _mm256_mask_storeu_epi16(c + r * ldc, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+    store_rounded(_mm512_loadu_ps(sums + r * 16), bias != nullptr, add, mask, c + r * ldc);
   }
 }
 
@@ -280,7 +292,7 @@ bool amx_takes(int64_t rows, int64_t pairs) {
 // Whether this process multiplies pairs with AMX's tiles: built with them, and the
 // kernel granted them.
 bool amx_tiles_usable() {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && DUOSERVE_AMX_TILES
+#if DUOSERVE_AMX_TILES
   return amx_permitted();
 #else
   return false;
