@@ -38,7 +38,7 @@ from engine_svc.kernels import (
 )
 from engine_svc.layers.linear import Projection
 from engine_svc.models.fast_paths import use_fused_ops
-from engine_svc.models.llama import MLP, LlamaForCausalLM
+from engine_svc.models.llama import ACTIVATIONS, MLP, LlamaForCausalLM
 from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec, load_model_spec
 
@@ -176,19 +176,41 @@ def decode_attention(
     ]
 
 
-def decoder_projections(model: LlamaForCausalLM) -> list[Projection]:
-    """Each decoder layer's four projections, in the order a step runs them."""
-    projections = []
+def decoder_projections(model: LlamaForCausalLM) -> list[ProjectionStep]:
+    """Each decoder layer's four projections, in the order a step runs them; gate/up with
+    the MLP's activation, which our kernels may compute as they store gate/up's sums."""
+    steps: list[ProjectionStep] = []
     for layer in model.model.local_layers():
-        if not isinstance(layer.ffn, MLP):
+        mlp = layer.ffn
+        if not isinstance(mlp, MLP):
             raise SystemExit("the projections are timed for models with a dense MLP")
-        projections += [
-            layer.self_attn.qkv,
-            layer.self_attn.o_proj,
-            layer.ffn.gate_up,
-            layer.ffn.down_proj,
+        gate_up = mlp.gate_up
+        steps += [
+            ProjectionStep(layer.self_attn.qkv),
+            ProjectionStep(layer.self_attn.o_proj),
+            ProjectionStep(gate_up, functools.partial(gate_up_activation, mlp)),
+            ProjectionStep(mlp.down_proj),
         ]
-    return projections
+    return steps
+
+
+def gate_up_activation(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, as the MLP's forward computes it before its down projection."""
+    if mlp.fused_act:
+        return mlp.gate_up.silu_and_mul(x)
+    gate, up = mlp.gate_up(x).chunk(2, dim=-1)
+    return ACTIVATIONS[mlp.act](gate) * up
+
+
+@dataclass
+class ProjectionStep:
+    """A projection, and what a step computes with it (its forward, unless told)."""
+
+    projection: Projection
+    call: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.call or self.projection)(x)
 
 
 def projections(
@@ -203,11 +225,11 @@ def projections(
     plain_model = load_model(model_dir, spec, dtype, device)
     use_fused_ops(plain_model, False, dtype, decode_loop=False)
     ours, plain = decoder_projections(model), decoder_projections(plain_model)
-    weights = sum(p.in_features * p.out_features for p in ours)
+    weights = sum(step.projection.in_features * step.projection.out_features for step in ours)
     skip_torch = dtype == torch.bfloat16 and torch_bf16_matmul_is_scalar()
     times = []
     for rows in (args.num_seqs, args.prompt_rows):
-        inputs = [torch.randn(rows, p.in_features).to(dtype) for p in ours]
+        inputs = [torch.randn(rows, step.projection.in_features).to(dtype) for step in ours]
         if rows == args.num_seqs:  # a decode step's rows: torch's side runs even if scalar
             for index, (mine, theirs, x) in enumerate(zip(ours[:4], plain, inputs, strict=False)):
                 check_same(f"projection {index} at {rows} rows", mine(x), theirs(x))
@@ -227,15 +249,18 @@ def projections(
                 torch_s,
                 bytes=weights * dtype.itemsize if rows == args.num_seqs else 0,
                 flops=2 * rows * weights,
-                note="torch's bfloat16 matmul is a scalar loop here: not run" if skip_torch else "",
+                note="gate/up with its activation"
+                + (
+                    "; torch's bfloat16 matmul is a scalar loop here: not run" if skip_torch else ""
+                ),
             )
         )
     return times
 
 
-def run_projections(calls: list[tuple[Projection, torch.Tensor]]) -> None:
-    for projection, x in calls:
-        projection(x)
+def run_projections(calls: list[tuple[ProjectionStep, torch.Tensor]]) -> None:
+    for step, x in calls:
+        step(x)
 
 
 def prompt_attention(

@@ -34,6 +34,8 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
 # Projection.forward's main paths, numbered as the C++ decode loop's Path enum
 # (engine_svc/kernels/csrc/decode_layers.cpp) numbers them.
 ONEDNN_PATH, PACKED_PATH, MATMUL_PATH, LINEAR_PATH, PAIRS_PATH = 1, 2, 3, 4, 5
+# An MLP's gate/up on pairs that compute silu(gate) * up (Projection.silu_pairs).
+PAIRS_SILU_PATH = 6
 
 # A projection holding both bfloat16 layouts sends steps of at most this many rows through
 # the pairs kernel and more (prompt steps) through oneDNN's prepacked weights. On the Zen 5,
@@ -74,6 +76,7 @@ class Projection(nn.Module):
         self.register_buffer("weight_packed", None, persistent=False)
         self.register_buffer("weight_onednn", None, persistent=False)
         self.register_buffer("weight_pairs", None, persistent=False)
+        self.silu_pairs = False
 
     @classmethod
     def fused(cls, parts: list[Projection]) -> Projection:
@@ -99,7 +102,7 @@ class Projection(nn.Module):
         self.weight_packed = torch.ops.duoserve.pack_linear_weight(source.contiguous(), block)
         self._drop_plain_weights()
 
-    def use_bf16_pairs(self, onednn_copy: bool = False) -> None:
+    def use_bf16_pairs(self, onednn_copy: bool = False, silu_halves: bool = False) -> None:
         """bfloat16 on AVX512-BF16: the weight packed once in pairs of k, which
         `bf16_pairs_linear` multiplies with vdpbf16ps, fetching each panel's successor while
         it computes (oneDNN's kernel waited on each streaming panel), and with AMX's tiles
@@ -109,11 +112,20 @@ class Projection(nn.Module):
         copy.
 
         `onednn_copy`: oneDNN's prepacked layout is kept too, for steps of more than
-        PAIRS_MAX_ROWS rows (prompts), where oneDNN's kernel is the faster."""
+        PAIRS_MAX_ROWS rows (prompts), where oneDNN's kernel is the faster.
+
+        `silu_halves`: this is an MLP's gate and up (halves of a multiple of 16 columns)
+        whose output only silu(gate) * up reads: the pairs hold 16 columns of each a panel
+        and compute silu(gate) * up as they store (`silu_and_mul`), so the gate/up output
+        is never written nor read back (`silu_pairs`)."""
         if self.weight_pairs is not None:
             return
         source = self._out_in_weight().contiguous()
-        self.weight_pairs = torch.ops.duoserve.pack_bf16_pairs(source)
+        if silu_halves and self.out_features % 32 == 0:
+            self.weight_pairs = torch.ops.duoserve.pack_bf16_gate_up_pairs(source)
+            self.silu_pairs = True
+        else:
+            self.weight_pairs = torch.ops.duoserve.pack_bf16_pairs(source)
         if onednn_copy:
             self.weight_onednn = torch.ops.mkldnn._reorder_linear_weight(source)
         self._drop_plain_weights()
@@ -159,12 +171,26 @@ class Projection(nn.Module):
             self.weight_t = None
         self.row_gemv = True
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this projection's output, its halves gate and up (an MLP's
+        gate_up), with the C++ kernels' roundings (torch's silu, then mul)."""
+        if self.silu_pairs and self._takes_pairs(x):
+            return torch.ops.duoserve.bf16_pairs_silu_mul(
+                x, self.weight_pairs, self.out_features, self.bias
+            )
+        return torch.ops.duoserve.silu_and_mul(self(x))
+
+    def _takes_pairs(self, x: torch.Tensor) -> bool:
+        return self.weight_pairs is not None and (
+            self.weight_onednn is None or x.shape[0] <= PAIRS_MAX_ROWS
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_gemv and x.dim() == 2 and x.shape[0] == 1:
             return torch.ops.duoserve.row_gemv(x, self.weight, self.bias)
-        if self.weight_pairs is not None and (
-            self.weight_onednn is None or x.shape[0] <= PAIRS_MAX_ROWS
-        ):
+        if self._takes_pairs(x):
+            if self.silu_pairs:
+                raise RuntimeError("these gate/up pairs compute silu(gate) * up: silu_and_mul")
             return torch.ops.duoserve.bf16_pairs_linear(
                 x, self.weight_pairs, self.out_features, self.bias
             )
@@ -187,7 +213,8 @@ class Projection(nn.Module):
         (the main path, out_features). Kept beside forward: the two choose alike."""
         row_weight = self.weight if self.row_gemv else None
         if self.weight_pairs is not None:
-            path, weight = PAIRS_PATH, self.weight_pairs
+            path = PAIRS_SILU_PATH if self.silu_pairs else PAIRS_PATH
+            weight = self.weight_pairs
         elif self.weight_onednn is not None:
             path, weight = ONEDNN_PATH, self.weight_onednn
         elif self.weight_packed is not None:

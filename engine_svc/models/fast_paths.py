@@ -71,6 +71,13 @@ def use_fused_ops(
     def takes_pairs(projection: Projection) -> bool:
         return pairs and projection.in_features % 2 == 0
 
+    # Gate/up projections whose output only the fused silu(gate) * up reads.
+    silu_gate_ups = {
+        id(module.gate_up)
+        for module in model.modules()
+        if isinstance(module, MLP) and hasattr(module, "gate_up") and module.act == "silu"
+    }
+
     # A second copy of the projection weights where it fits the limit: with the pairs
     # kernel, oneDNN's prepacked layout for prompt steps; on oneDNN's layout otherwise, the
     # [out, in] rows for one-row steps' GEMV.
@@ -104,7 +111,7 @@ def use_fused_ops(
         if isinstance(module, Projection) and packed:
             module.pack()
         elif isinstance(module, Projection) and takes_pairs(module):
-            module.use_bf16_pairs(onednn_copy=keep_copy)
+            module.use_bf16_pairs(onednn_copy=keep_copy, silu_halves=id(module) in silu_gate_ups)
         elif isinstance(module, Projection) and onednn:
             module.use_onednn(keep_rows=keep_copy and not pairs)
         elif isinstance(module, Projection) and row_gemv:

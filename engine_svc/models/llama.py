@@ -149,11 +149,10 @@ class MLP(nn.Module):
         self.down_proj.transpose()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
         if self.fused_act:
-            hidden = torch.ops.duoserve.silu_and_mul(gate_up)
+            hidden = self.gate_up.silu_and_mul(x)
         else:
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
             hidden = ACTIVATIONS[self.act](gate) * up
         return self.collectives.all_reduce(self.down_proj(hidden))
 

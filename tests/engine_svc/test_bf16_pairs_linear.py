@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine_svc.kernels import bf16_pairs_available, cpu_kernels_available
 from engine_svc.kernels.loader import _cpu_flags, loaded_build
-from engine_svc.layers.linear import PAIRS_MAX_ROWS, PAIRS_PATH, Projection
+from engine_svc.layers.linear import PAIRS_MAX_ROWS, PAIRS_PATH, PAIRS_SILU_PATH, Projection
 
 needs_pairs = pytest.mark.skipif(
     not bf16_pairs_available(torch.bfloat16),
@@ -115,6 +115,68 @@ def test_a_projection_packs_once_and_keeps_a_tied_weight() -> None:
     tied.use_bf16_pairs()
     assert torch.equal(tied.weight, weight)  # the embeddings stay
     assert (tied(x) == F.linear(x, weight)).double().mean().item() > 0.99
+
+
+@needs_pairs
+# Rows as above: the dot products' epilogue, AMX's, partial row tiles; widths of one panel,
+# three, and an MLP's.
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, 33, 64, 300])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("width", "in_features"), [(16, 64), (48, 96), (1536, 576)])
+@torch.inference_mode()
+def test_gate_up_pairs_store_silu_of_gate_times_up_bit_for_bit(
+    rows: int, bias: bool, width: int, in_features: int
+) -> None:
+    x, weight, bias_value = _operands(rows, 2 * width, in_features, bias)
+    x = x * 4  # gate values out to where silu is ~0 and ~identity
+    plain = torch.ops.duoserve.bf16_pairs_linear(
+        x, torch.ops.duoserve.pack_bf16_pairs(weight), 2 * width, bias_value
+    )
+    fused = torch.ops.duoserve.pack_bf16_gate_up_pairs(weight)
+    got = torch.ops.duoserve.bf16_pairs_silu_mul(x, fused, 2 * width, bias_value)
+    expected = torch.ops.duoserve.silu_and_mul(plain)
+    assert got.shape == (rows, width)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # -0 too
+
+
+@needs_pairs
+@torch.inference_mode()
+def test_gate_up_pairs_refuse_halves_of_a_partial_panel() -> None:
+    x, weight, _ = _operands(3, 40, 64, bias=False)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.duoserve.pack_bf16_gate_up_pairs(weight)
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.duoserve.bf16_pairs_silu_mul(x, packed, 40, None)
+
+
+@needs_pairs
+@torch.inference_mode()
+def test_an_mlp_s_gate_up_on_silu_pairs_computes_silu_and_mul_only() -> None:
+    x, weight, _ = _operands(PAIRS_MAX_ROWS + 44, 64, 96, bias=False)
+    expected = torch.ops.duoserve.silu_and_mul(F.linear(x, weight))
+    for onednn_copy in (False, True):
+        projection = Projection(96, 64, bias=False).bfloat16()
+        projection.weight.data.copy_(weight)
+        projection.transpose()
+        projection.use_bf16_pairs(onednn_copy=onednn_copy, silu_halves=True)
+        assert projection.silu_pairs
+        assert projection.kernel_args()[1] == [PAIRS_SILU_PATH, 64]
+        decode = x[:PAIRS_MAX_ROWS]
+        got = projection.silu_and_mul(decode)
+        assert (got == expected[:PAIRS_MAX_ROWS]).double().mean().item() > 0.99
+        with pytest.raises(RuntimeError, match="silu_and_mul"):
+            projection(decode)  # its output would be gate and up interleaved
+        if onednn_copy:  # prompts: oneDNN's copy, then the separate pass
+            assert torch.equal(
+                projection.silu_and_mul(x)[PAIRS_MAX_ROWS:], expected[PAIRS_MAX_ROWS:]
+            )
+    odd = Projection(96, 40, bias=False).bfloat16()  # halves of 20: plain pairs
+    odd.weight.data.copy_(weight[:40])
+    odd.transpose()
+    odd.use_bf16_pairs(silu_halves=True)
+    assert not odd.silu_pairs and odd.kernel_args()[1] == [PAIRS_PATH, 40]
+    assert torch.equal(odd.silu_and_mul(x[:8]), torch.ops.duoserve.silu_and_mul(odd(x[:8])))
 
 
 def test_the_path_is_taken_where_the_cpu_has_bf16_dot_products_and_on_amx_its_tiles() -> None:

@@ -14,6 +14,11 @@
 // multiplies by a broadcast pair of the row's k. The sums run in float32 in k order, a pair
 // at a time, each output in one accumulator; the bias is added to the sum and the result
 // rounded to bfloat16 once, at the end.
+//
+// An MLP's gate/up projection can be packed with 16 columns of gate and the same 16 of up in
+// each panel (pack_bf16_gate_up_pairs): its kernels then store silu(gate) * up, the gate/up
+// output never written nor read back (bf16_pairs_silu_mul), bit for bit what silu_and_mul
+// makes of bf16_pairs_linear's output.
 
 #include "vec.h"
 
@@ -27,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if DUOSERVE_AMX_TILES
 #include <sys/syscall.h>
@@ -38,6 +44,21 @@ namespace {
 
 // Columns per panel: two vectors of 16.
 constexpr int64_t kPairsBlock = 32;
+
+// Where the panels' results go: panel b's 32 columns of a [rows, n] output; or, over the
+// pairs of an MLP's gate and up packed 16 columns of each a panel (gate's first), silu(gate)
+// * up's 16 columns of a [rows, n / 2] output, so the gate/up output is never written.
+struct Output {
+  at::BFloat16* c;
+  int64_t n;  // the packed weight's columns
+  bool silu_mul;
+
+  int64_t ldc() const { return silu_mul ? n / 2 : n; }
+  at::BFloat16* panel_row(int64_t row, int64_t b) const {
+    return c + row * ldc() + b * (silu_mul ? kPairsBlock / 2 : kPairsBlock);
+  }
+  int64_t cols(int64_t b) const { return std::min(kPairsBlock, n - b * kPairsBlock); }
+};
 
 at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
@@ -74,10 +95,56 @@ inline void store_rounded(__m512 sum, bool has_bias, __m512 bias, __mmask16 mask
   _mm256_mask_storeu_epi16(c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
-template <int kRows>
+// The epilogue's helpers always inlined: GCC had left some as calls (vector arguments
+// through memory, a vzeroupper before each), and one-row steps ran 1.15-1.2x slower.
+#define DUOSERVE_INLINE __attribute__((always_inline)) inline
+
+// The bfloat16 value store_rounded stores for a vector of sums, as float32.
+DUOSERVE_INLINE fvec rounded(__m512 sum, bool has_bias, __m512 bias) {
+  if (has_bias) sum = _mm512_add_ps(sum, bias);
+  const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sum));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 16 columns of silu(gate) * up from the sums of gate's and up's, each rounded to bfloat16
+// first: what silu_and_mul makes of the stored gate/up output, bit for bit.
+DUOSERVE_INLINE void store_silu_mul(__m512 gate, __m512 up, bool has_bias, __m512 gate_bias,
+                           __m512 up_bias, at::BFloat16* c) {
+  store_bf16(silu_times<at::BFloat16>(rounded(gate, has_bias, gate_bias),
+                                      rounded(up, has_bias, up_bias)),
+             c);
+}
+
+// The bias of a panel's `cols` columns as its two vectors (zeros without one).
+struct PanelBias {
+  const float* bias;
+  __m512 low, high;
+
+  DUOSERVE_INLINE PanelBias(const float* bias, int64_t cols)
+      : bias(bias), low(bias_lanes(bias, column_mask(cols))),
+        high(bias_lanes(bias == nullptr ? nullptr : bias + 16, column_mask(cols - 16))) {}
+};
+
+// The epilogue of a panel's row: its two vectors of sums (columns 0-15 and 16-31) plus the
+// bias, rounded, as `out` takes them, into c (out.panel_row(row, panel)).
+DUOSERVE_INLINE void store_panel_row(__m512 low, __m512 high, const PanelBias& bias,
+                                     bool silu_mul, int64_t cols, at::BFloat16* c) {
+  const bool has_bias = bias.bias != nullptr;
+  if (silu_mul) {
+    store_silu_mul(low, high, has_bias, bias.low, bias.high, c);
+    return;
+  }
+  store_rounded(low, has_bias, bias.low, column_mask(cols), c);
+  store_rounded(high, has_bias, bias.high, column_mask(cols - 16), c + 16);
+}
+
+// kSiluMul a template argument: the plain kernel's code stays the same with the silu
+// epilogue beside it.
+template <int kRows, bool kSiluMul>
 void pairs_tile(const at::BFloat16* __restrict a, int64_t lda, const at::BFloat16* __restrict panel,
                 int64_t pairs, const float* __restrict bias, at::BFloat16* __restrict c,
                 int64_t ldc, int64_t cols, const char* next, int64_t prefetch) {
+  static_assert(kVecs == 2, "the epilogue takes a panel as two vectors of columns");
   __m512 acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -98,33 +165,41 @@ void pairs_tile(const at::BFloat16* __restrict a, int64_t lda, const at::BFloat1
       for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, b[v]);
     }
   }
-  for (int v = 0; v < kVecs; ++v) {
-    const __mmask16 mask = column_mask(cols - 16 * v);
-    const __m512 add = bias_lanes(bias == nullptr ? nullptr : bias + 16 * v, mask);
+  if constexpr (kSiluMul) {
+    const PanelBias panel_bias(bias, cols);
     for (int r = 0; r < kRows; ++r) {
-      store_rounded(acc[r][v], bias != nullptr, add, mask, c + r * ldc + 16 * v);
+      store_silu_mul(acc[r][0], acc[r][1], bias != nullptr, panel_bias.low, panel_bias.high,
+                     c + r * ldc);
+    }
+  } else {
+    for (int v = 0; v < kVecs; ++v) {
+      const __mmask16 mask = column_mask(cols - 16 * v);
+      const __m512 add = bias_lanes(bias == nullptr ? nullptr : bias + 16 * v, mask);
+      for (int r = 0; r < kRows; ++r) {
+        store_rounded(acc[r][v], bias != nullptr, add, mask, c + r * ldc + 16 * v);
+      }
     }
   }
 }
 
-template <int kRows = kMaxRows>
+template <bool kSiluMul, int kRows = kMaxRows>
 void pairs_tile_rows(int64_t rows, const at::BFloat16* a, int64_t lda,
                      const at::BFloat16* panel, int64_t pairs, const float* bias,
                      at::BFloat16* c, int64_t ldc, int64_t cols, const char* next,
                      int64_t prefetch) {
   if constexpr (kRows > 1) {
     if (rows < kRows) {
-      pairs_tile_rows<kRows - 1>(rows, a, lda, panel, pairs, bias, c, ldc, cols, next,
-                                 prefetch);
+      pairs_tile_rows<kSiluMul, kRows - 1>(rows, a, lda, panel, pairs, bias, c, ldc, cols,
+                                           next, prefetch);
       return;
     }
   }
-  pairs_tile<kRows>(a, lda, panel, pairs, bias, c, ldc, cols, next, prefetch);
+  pairs_tile<kRows, kSiluMul>(a, lda, panel, pairs, bias, c, ldc, cols, next, prefetch);
 }
 
+template <bool kSiluMul>
 void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat16* packed,
-                int64_t blocks, int64_t pairs, const float* bias, at::BFloat16* c,
-                int64_t n) {
+                int64_t blocks, int64_t pairs, const float* bias, const Output& out) {
   const int64_t panel_size = pairs * kPairsBlock * 2;
   const int64_t lines = panel_size * 2 / 64;
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
@@ -133,15 +208,15 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
     for (int64_t b = begin; b < end; ++b) {
       const at::BFloat16* panel = packed + b * panel_size;
       const char* next = b + 1 < end ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
-      const int64_t cols = std::min(kPairsBlock, n - b * kPairsBlock);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * kMaxRows;
         const int64_t prefetch =
             next == nullptr ? 0 : std::clamp<int64_t>(lines - t * share, 0, share);
-        pairs_tile_rows(std::min<int64_t>(kMaxRows, m - m0), a + m0 * lda, lda, panel, pairs,
-                        bias != nullptr ? bias + b * kPairsBlock : nullptr,
-                        c + m0 * n + b * kPairsBlock, n, cols,
-                        next == nullptr ? nullptr : next + 64 * t * share, prefetch);
+        pairs_tile_rows<kSiluMul>(std::min<int64_t>(kMaxRows, m - m0), a + m0 * lda, lda,
+                                  panel, pairs,
+                                  bias != nullptr ? bias + b * kPairsBlock : nullptr,
+                                  out.panel_row(m0, b), out.ldc(), out.cols(b),
+                                  next == nullptr ? nullptr : next + 64 * t * share, prefetch);
       }
     }
   });
@@ -153,8 +228,8 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
 // 64-byte row a pair: half a pair row of a panel (pair rows lie a panel's 128 bytes apart),
 // so the pairs layout is AMX's own and its panels are read as they lie. An A tile is 16 rows
 // by 32 k, straight from the activations; a C tile holds 16 x 16 float32 sums. The k order is
-// the dot-product kernel's. The hardware prefetchers keep up with the panels: requesting the
-// next panel into L2, as the kernel above does, changed nothing measurable here.
+// the dot-product kernel's. The first pass over a panel requests its steps kAmxLead ahead
+// into L2 (below).
 //
 // On the 2-core Xeon with AMX, SmolLM2-135M's 120 decoder projections and LM head with the
 // weights on huge pages, streaming from memory (ms for all 121, alternating in one process):
@@ -166,6 +241,15 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
 constexpr int64_t kAmxMinRows = 4;
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileK = 32;
+// A step of k: the panel's 16 pair rows two B tiles read, 2 KiB.
+constexpr int64_t kStepElements = kTileK * kPairsBlock;
+constexpr int64_t kStepLines = kStepElements * 2 / 64;
+// The first pass over a panel requests into L2 the step kAmxLead steps ahead (16 KiB, into
+// the next panel near the end, the panels lying one after the other): the tile loads had
+// waited on memory as long as the tiles computed. SmolLM2-135M's 120 decoder projections and
+// LM head at 64 rows, weights streaming, processes alternating: 17.1-17.8 ms against
+// 18.4-18.9 (the best of 21 calls, three pairs); 4 and 16 steps ahead measured no better.
+constexpr int64_t kAmxLead = 8;
 // Rows a thread takes through all of its panels before the next rows: a prompt step's
 // activations stay in L2 while the thread's panels pass by (2,048 rows in one chunk re-read
 // them from L3 for every panel: the 121 projections 477-515 ms against 426-454 in chunks
@@ -202,26 +286,27 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// A C tile's sums (16 x 16 float32) plus the bias, rounded, into c's first `rows` rows and
-// `cols` columns.
+// Two C tiles' sums (a panel's columns 0-15 in `sums`, 16-31 at sums + 256, 16 x 16
+// float32 each) through the epilogue into c's first `rows` rows.
 void store_sums(const float* __restrict sums, const float* __restrict bias,
-                at::BFloat16* __restrict c, int64_t ldc, int64_t rows, int64_t cols) {
-  const __mmask16 mask = column_mask(cols);
-  const __m512 add = bias_lanes(bias, mask);
+                at::BFloat16* __restrict c, int64_t ldc, int64_t rows, int64_t cols,
+                bool silu_mul) {
+  const PanelBias panel_bias(bias, cols);
   for (int64_t r = 0; r < rows; ++r) {
-    store_rounded(_mm512_loadu_ps(sums + r * 16), bias != nullptr, add, mask, c + r * ldc);
+    store_panel_row(_mm512_loadu_ps(sums + r * 16), _mm512_loadu_ps(sums + 256 + r * 16),
+                    panel_bias, silu_mul, cols, c + r * ldc);
   }
 }
 
-// One panel's `cols` columns for rows [0, m) of a, whose rows up to m_padded (a multiple of
-// 16) can be read.
+// Panel b for rows [0, m) of a, whose rows up to m_padded (a multiple of 16) can be read,
+// into out's rows from row0.
 void amx_panel(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
-               const at::BFloat16* panel, int64_t pairs, const float* bias, at::BFloat16* c,
-               int64_t ldc, int64_t cols, float* sums) {
+               const at::BFloat16* panel, int64_t pairs, const float* bias, const Output& out,
+               int64_t row0, int64_t b, float* sums) {
   constexpr int64_t kPairRow = kPairsBlock * 2 * sizeof(at::BFloat16);
   const int64_t a_stride = lda * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t steps = pairs * 2 / kTileK;
-  const float* bias_high = bias == nullptr ? nullptr : bias + 16;
+  const int64_t ldc = out.ldc(), cols = out.cols(b);
   for (int64_t m0 = 0; m0 < m_padded; m0 += 2 * kTileRows) {
     const bool second = m0 + kTileRows < m_padded;
     _tile_zero(0);
@@ -230,9 +315,13 @@ void amx_panel(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
     _tile_zero(3);
     const at::BFloat16* rows = a + m0 * lda;
     for (int64_t s = 0; s < steps; ++s) {
-      const at::BFloat16* b = panel + s * (kTileK / 2) * kPairsBlock * 2;
-      _tile_loadd(6, b, kPairRow);
-      _tile_loadd(7, b + 32, kPairRow);
+      const at::BFloat16* step = panel + s * kStepElements;
+      if (m0 == 0) {  // the first pass over the panel requests what is kAmxLead ahead
+        const char* ahead = reinterpret_cast<const char*>(step + kAmxLead * kStepElements);
+        for (int64_t line = 0; line < kStepLines; ++line) prefetch_l2(ahead + 64 * line);
+      }
+      _tile_loadd(6, step, kPairRow);
+      _tile_loadd(7, step + 32, kPairRow);
       _tile_loadd(4, rows + s * kTileK, a_stride);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
@@ -242,26 +331,23 @@ void amx_panel(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
         _tile_dpbf16ps(3, 5, 7);
       }
     }
-    at::BFloat16* out = c + m0 * ldc;
-    const int64_t first_rows = std::min(kTileRows, m - m0);
     _tile_stored(0, sums, 64);
     _tile_stored(1, sums + 256, 64);
-    store_sums(sums, bias, out, ldc, first_rows, cols);
-    store_sums(sums + 256, bias_high, out + 16, ldc, first_rows, cols - 16);
+    store_sums(sums, bias, out.panel_row(row0 + m0, b), ldc, std::min(kTileRows, m - m0), cols,
+               out.silu_mul);
     const int64_t second_rows = std::clamp<int64_t>(m - m0 - kTileRows, 0, kTileRows);
     if (second_rows > 0) {
       _tile_stored(2, sums, 64);
       _tile_stored(3, sums + 256, 64);
-      out += kTileRows * ldc;
-      store_sums(sums, bias, out, ldc, second_rows, cols);
-      store_sums(sums + 256, bias_high, out + 16, ldc, second_rows, cols - 16);
+      store_sums(sums, bias, out.panel_row(row0 + m0 + kTileRows, b), ldc, second_rows, cols,
+                 out.silu_mul);
     }
   }
 }
 
 void amx_gemm(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
               const at::BFloat16* packed, int64_t blocks, int64_t pairs, const float* bias,
-              at::BFloat16* c, int64_t n) {
+              const Output& out) {
   const int64_t panel_size = pairs * kPairsBlock * 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     __at_align__ float sums[2 * kTileRows * 16];
@@ -271,9 +357,7 @@ void amx_gemm(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
       const int64_t rows_padded = std::min(kChunkRows, m_padded - r0);
       for (int64_t b = begin; b < end; ++b) {
         amx_panel(a + r0 * lda, lda, rows, rows_padded, packed + b * panel_size, pairs,
-                  bias != nullptr ? bias + b * kPairsBlock : nullptr,
-                  c + r0 * n + b * kPairsBlock, n, std::min(kPairsBlock, n - b * kPairsBlock),
-                  sums);
+                  bias != nullptr ? bias + b * kPairsBlock : nullptr, out, r0, b, sums);
       }
     }
     _tile_release();
@@ -299,8 +383,32 @@ bool amx_tiles_usable() {
 #endif
 }
 
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                             const std::optional<at::Tensor>& bias) {
+// [gate; up] rows of an MLP's fused projection, [2 * width, in], interleaved 16 at a time
+// (gate's rows 0-15, up's 0-15, gate's 16-31, ...): packed in pairs, each panel holds 16
+// columns of gate and the same 16 of up, for the silu(gate) * up epilogue.
+at::Tensor gate_up_interleaved(const at::Tensor& rows) {
+  const int64_t width = rows.size(0) / 2;
+  TORCH_CHECK(rows.size(0) % 2 == 0 && width % 16 == 0,
+              "gate/up: the halves must be a multiple of 16 rows, got ", rows.size(0));
+  std::vector<int64_t> interleaved{width / 16, 2, 16};
+  std::vector<int64_t> halves{2, width / 16, 16};
+  const at::IntArrayRef tail = rows.sizes().slice(1);
+  halves.insert(halves.end(), tail.begin(), tail.end());
+  interleaved.insert(interleaved.end(), tail.begin(), tail.end());
+  std::vector<int64_t> order{1, 0, 2};
+  for (int64_t d = 1; d < rows.dim(); ++d) order.push_back(d + 2);
+  return rows.reshape(halves).permute(order).reshape(rows.sizes());
+}
+
+at::Tensor pack_bf16_gate_up_pairs(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be [2 * width, in_features]");
+  return pack_bf16_pairs(gate_up_interleaved(weight));
+}
+
+// x through the packed weight into `out_features` columns, or into silu(gate) * up's
+// out_features / 2 where the weight is pack_bf16_gate_up_pairs'.
+at::Tensor pairs_forward(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && packed.size(2) == kPairsBlock && packed.size(3) == 2,
               "packed must be pack_bf16_pairs' [blocks, in_features / 2, 32, 2]");
@@ -311,15 +419,19 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   TORCH_CHECK(n >= 1 && n <= packed.size(0) * kPairsBlock &&
                   n > (packed.size(0) - 1) * kPairsBlock,
               "out_features does not match the packed weight");
+  TORCH_CHECK(!silu_mul || n % kPairsBlock == 0,
+              "gate/up pairs: out_features must be a multiple of 32, got ", n);
   std::optional<at::Tensor> bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->scalar_type() == at::kBFloat16,
                 "bias must be bfloat16 [out_features]");
-    bias32 = bias->to(at::kFloat).contiguous();
+    bias32 = (silu_mul ? gate_up_interleaved(*bias) : *bias).to(at::kFloat).contiguous();
   }
   const at::Tensor a = x.stride(1) == 1 ? x : x.contiguous();
-  auto out = at::empty({x.size(0), n}, x.options());
+  auto out = at::empty({x.size(0), silu_mul ? n / 2 : n}, x.options());
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  const Output to{out.mutable_data_ptr<at::BFloat16>(), n, silu_mul};
+  const float* bias_data = bias32.has_value() ? bias32->const_data_ptr<float>() : nullptr;
 #if DUOSERVE_AMX_TILES
   if (amx_takes(x.size(0), pairs)) {
     // Rows past the last whole tile read zeros from a padded copy.
@@ -332,17 +444,14 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
       rows.narrow(0, m, m_padded - m).zero_();
     }
     amx_gemm(rows.const_data_ptr<at::BFloat16>(), rows.stride(0), m, m_padded,
-             packed.const_data_ptr<at::BFloat16>(), packed.size(0), pairs,
-             bias32.has_value() ? bias32->const_data_ptr<float>() : nullptr,
-             out.mutable_data_ptr<at::BFloat16>(), n);
+             packed.const_data_ptr<at::BFloat16>(), packed.size(0), pairs, bias_data, to);
     return out;
   }
 #endif
   if (x.size(0) > 0) {
-    pairs_gemm(a.const_data_ptr<at::BFloat16>(), a.stride(0), a.size(0),
-               packed.const_data_ptr<at::BFloat16>(), packed.size(0), pairs,
-               bias32.has_value() ? bias32->const_data_ptr<float>() : nullptr,
-               out.mutable_data_ptr<at::BFloat16>(), n);
+    (silu_mul ? pairs_gemm<true> : pairs_gemm<false>)(
+        a.const_data_ptr<at::BFloat16>(), a.stride(0), a.size(0),
+        packed.const_data_ptr<at::BFloat16>(), packed.size(0), pairs, bias_data, to);
   }
   return out;
 #else
@@ -350,17 +459,35 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
 #endif
 }
 
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                             const std::optional<at::Tensor>& bias) {
+  return pairs_forward(x, packed, out_features, bias, false);
+}
+
+// silu(gate) * up of an MLP's [gate; up] projection (out_features = 2 * width) packed by
+// pack_bf16_gate_up_pairs, [rows, width]: silu_and_mul(bf16_pairs_linear(...)) of the
+// plainly packed weight, bit for bit, without writing the gate/up output.
+at::Tensor bf16_pairs_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                               int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return pairs_forward(x, packed, out_features, bias, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(duoserve, m) {
   m.def("pack_bf16_pairs(Tensor weight) -> Tensor");
+  m.def("pack_bf16_gate_up_pairs(Tensor weight) -> Tensor");
   m.def("bf16_pairs_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "bf16_pairs_silu_mul(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("amx_tiles_usable() -> bool", &amx_tiles_usable);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
   m.impl("pack_bf16_pairs", &pack_bf16_pairs);
+  m.impl("pack_bf16_gate_up_pairs", &pack_bf16_gate_up_pairs);
   m.impl("bf16_pairs_linear", &bf16_pairs_linear);
+  m.impl("bf16_pairs_silu_mul", &bf16_pairs_silu_mul);
 }
 
 }  // namespace duoserve

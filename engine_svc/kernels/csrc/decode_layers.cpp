@@ -46,6 +46,7 @@ enum Path : int64_t {
   kMatmul = 3,   // [in, out]: x @ w, or addmm with a bias
   kLinear = 4,   // [out, in]: F.linear
   kPairs = 5,    // pairs of k for AVX512-BF16 and AMX (duoserve::bf16_pairs_linear)
+  kPairsSiluMul = 6,  // an MLP's gate/up pairs that store silu(gate) * up
 };
 
 // The operators, looked up once: the dispatcher's typed handles.
@@ -85,6 +86,11 @@ struct Ops {
       bf16_pairs_linear =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
                         const std::optional<at::Tensor>&)>("duoserve::bf16_pairs_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                      const std::optional<at::Tensor>&)>
+      bf16_pairs_silu_mul =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                        const std::optional<at::Tensor>&)>("duoserve::bf16_pairs_silu_mul");
 };
 
 const Ops& ops() {
@@ -117,7 +123,7 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>>& tensors, int64_t
 }
 
 // Projection.forward: a single row through the GEMV where the projection keeps its rows,
-// else the main path.
+// else the main path. (kPairsSiluMul is not a projection's output: silu_of_gate_up.)
 at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& tensors,
                    int64_t first, int64_t path, int64_t out_features) {
   const std::optional<at::Tensor> row_weight = tensors.get(first);
@@ -138,6 +144,18 @@ at::Tensor project(const at::Tensor& x, const c10::List<std::optional<at::Tensor
     default:
       TORCH_CHECK(false, "decode_layers: unknown projection path ", path);
   }
+}
+
+// Projection.silu_and_mul: silu(gate) * up of the gate/up projection at `first`, computed
+// as its pairs store their sums where it has them, else from its output.
+at::Tensor silu_of_gate_up(const at::Tensor& x,
+                           const c10::List<std::optional<at::Tensor>>& tensors, int64_t first,
+                           int64_t path, int64_t out_features) {
+  if (path == kPairsSiluMul) {
+    return ops().bf16_pairs_silu_mul.call(x, required(tensors, first + 1), out_features,
+                                          tensors.get(first + 2));
+  }
+  return ops().silu_and_mul.call(project(x, tensors, first, path, out_features));
 }
 
 // The new tokens' K (or V) rows, [tokens, kv_size] with rows strided, into their slots of a
@@ -221,8 +239,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     // MLP.forward.
     std::tie(residual, hidden) =
         o.add_rms_norm.call(attn_out, residual, required(tensors, t0 + 1), fl[1]);
-    const at::Tensor gate_up = project(hidden, tensors, t0 + 4 + 6, paths[4], paths[5]);
-    x = project(o.silu_and_mul.call(gate_up), tensors, t0 + 4 + 9, paths[6], paths[7]);
+    const at::Tensor act = silu_of_gate_up(hidden, tensors, t0 + 4 + 6, paths[4], paths[5]);
+    x = project(act, tensors, t0 + 4 + 9, paths[6], paths[7]);
   }
   return {x, residual};
 }

@@ -253,20 +253,7 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   });
 }
 
-// silu(g) = g / (1 + exp(-g)), with vec.h's exp.
-inline fvec silu(fvec g) { return g / (fvec(1.0f) + exp(fvec(0.0f) - g)); }
-
 inline void store(fvec v, float* p, int64_t n) { v.store(p, n); }
-
-// v as the dtype holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
-template <typename T>
-inline fvec round_as(fvec v) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return round_to_bf16(v);
-  } else {
-    return v;
-  }
-}
 
 // One row of silu(gate) * up; in bfloat16, silu(gate) rounded before the product, as
 // torch's silu then mul round. Two vectors a step: exp's chain of dependent FMAs is long,
@@ -279,14 +266,15 @@ __attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __re
   const T* up = gate + width;
   int64_t i = 0;
   for (; i + 2 * kLanes <= width; i += 2 * kLanes) {
-    const fvec first = round_as<T>(silu(load(gate + i, kLanes)));
-    const fvec second = round_as<T>(silu(load(gate + i + kLanes, kLanes)));
-    store(round_as<T>(first * load(up + i, kLanes)), out + i, kLanes);
-    store(round_as<T>(second * load(up + i + kLanes, kLanes)), out + i + kLanes, kLanes);
+    const fvec first = silu_times<T>(load(gate + i, kLanes), load(up + i, kLanes));
+    const fvec second =
+        silu_times<T>(load(gate + i + kLanes, kLanes), load(up + i + kLanes, kLanes));
+    store(first, out + i, kLanes);
+    store(second, out + i + kLanes, kLanes);
   }
   for (; i < width; i += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, width - i);
-    store(round_as<T>(round_as<T>(silu(load(gate + i, n))) * load(up + i, n)), out + i, n);
+    store(silu_times<T>(load(gate + i, n), load(up + i, n)), out + i, n);
   }
 }
 

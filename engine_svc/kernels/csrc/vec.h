@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace duoserve {
 
@@ -255,6 +256,26 @@ inline fvec exp(fvec x) {
   const fvec result = p * at::vec::cast<float>(bits);
   const fvec zero(0.0f), infinity(__builtin_inff());
   return fvec::blendv(fvec::blendv(result, zero, x < low), infinity, x > high);
+}
+
+// silu(g) = g / (1 + exp(-g)), with the exp above.
+inline fvec silu(fvec g) { return g / (fvec(1.0f) + exp(fvec(0.0f) - g)); }
+
+// v as the dtype T holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
+template <typename T>
+inline fvec round_as(fvec v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return round_to_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+// silu(gate) * up where gate and up are values of T: rounded where torch's silu, then its
+// mul, round their results (silu_and_mul, and the gate/up pairs' epilogue).
+template <typename T>
+inline fvec silu_times(fvec gate, fvec up) {
+  return round_as<T>(round_as<T>(silu(gate)) * up);
 }
 
 // Lane i of the result is the sum of the lanes of v[i], for kLanes vectors: a transpose-
