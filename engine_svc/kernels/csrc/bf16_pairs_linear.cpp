@@ -34,10 +34,7 @@
 #include <optional>
 #include <vector>
 
-#if DUOSERVE_AMX_TILES
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace duoserve {
 namespace {
@@ -239,8 +236,6 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
 // (memory-bound, no tile set-up) are the faster: 2 rows 11.6-12.1 against 13.4-13.6.
 
 constexpr int64_t kAmxMinRows = 4;
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTileK = 32;
 // A step of k: the panel's 16 pair rows two B tiles read, 2 KiB.
 constexpr int64_t kStepElements = kTileK * kPairsBlock;
 constexpr int64_t kStepLines = kStepElements * 2 / 64;
@@ -256,35 +251,8 @@ constexpr int64_t kAmxLead = 8;
 // of 256 or 512).
 constexpr int64_t kChunkRows = 256;
 
-// The tile registers' shapes (palette 1), every tile 16 rows of 64 bytes: 0-3 sums (two
-// row tiles by two column halves), 4-5 rows of A, 6-7 the panel's column halves.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux gives a process AMX's register state only when it asks for it (once, for every
-// thread); where it refuses, the dot-product kernel serves.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// The tiles (amx.h): 0-3 sums (two row tiles by two column halves), 4-5 rows of A, 6-7 the
+// panel's column halves.
 
 // Two C tiles' sums (a panel's columns 0-15 in `sums`, 16-31 at sums + 256, 16 x 16
 // float32 each) through the epilogue into c's first `rows` rows.
