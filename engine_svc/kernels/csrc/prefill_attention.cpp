@@ -126,47 +126,49 @@ inline float widened(at::BFloat16 x) { return static_cast<float>(x); }
 
 // Every chunk's keys and values laid out once a call, for all the tasks that read them
 // (before, each 64-row task laid out all the keys up to its rows again: 16 times the work
-// for a 2,048-token prompt, 17% of its attention time). Per (chunk, KV head): the keys as
-// panels of transposed keys, [key panel][dim][kPanel keys], and the values as [dim panel]
-// [key][kPanel], for the chunk's length rounded up to whole panels (zeros past it).
-struct ChunkLayouts {
-  std::vector<int64_t> offset;  // chunk c's first float in each of the two layouts
+// for a 2,048-token prompt, 17% of its attention time): per (chunk, KV head), of elements
+// E, for the chunk's length rounded up to whole panels (zeros past it). The float32 path's
+// (ChunkLayouts): the keys as panels of transposed keys, [key panel][dim][kPanel keys], the
+// values as [dim panel][key][kPanel].
+template <typename E>
+struct Layouts {
+  std::vector<int64_t> offset;  // chunk c's first element in each of the two layouts
   std::vector<int64_t> width;   // chunk c's keys rounded up to whole panels
-  float* keys_t = nullptr;
-  float* values = nullptr;
+  E* keys = nullptr;
+  E* values = nullptr;
   int64_t dim = 0;
+  // The work of laying them out: (chunk, key panel), each for every KV head.
+  std::vector<std::array<int64_t, 2>> units;
 
-  float* keys_of(int64_t c, int64_t h) const { return keys_t + offset[c] + h * width[c] * dim; }
-  float* values_of(int64_t c, int64_t h) const { return values + offset[c] + h * width[c] * dim; }
+  // Sizes the layouts of k's chunks, in room kept by the calling thread from call to call
+  // (a fresh allocation a call was handed back to the kernel by malloc and faulted in
+  // again: ~870 page faults, half the time of a step's call for 15 short chunks).
+  Layouts(const at::Tensor& k, const int32_t* len_ptr, int64_t num_chunks) : dim(k.size(2)) {
+    int64_t total = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t chunk_width = (len_ptr[c] + kPanel - 1) / kPanel * kPanel;
+      offset.push_back(total);
+      width.push_back(chunk_width);
+      total += k.size(1) * chunk_width * dim;
+      for (int64_t panel = 0; panel < chunk_width / kPanel; ++panel) units.push_back({c, panel});
+    }
+    thread_local std::vector<E> room;
+    if (static_cast<int64_t>(room.size()) < 2 * total) room.resize(2 * total);
+    keys = room.data();
+    values = room.data() + total;
+  }
+
+  E* keys_of(int64_t c, int64_t h) const { return keys + offset[c] + h * width[c] * dim; }
+  E* values_of(int64_t c, int64_t h) const { return values + offset[c] + h * width[c] * dim; }
 };
-
-// Room for the layouts, kept by the calling thread from call to call: a fresh allocation a
-// call was handed back to the kernel by malloc and faulted in again (~870 page faults, half
-// the time of a step's call for 15 short chunks).
-std::vector<float>& layout_room(int64_t floats) {
-  thread_local std::vector<float> room;
-  if (static_cast<int64_t>(room.size()) < floats) room.resize(floats);
-  return room;
-}
+using ChunkLayouts = Layouts<float>;
 
 template <typename T>
 ChunkLayouts lay_out_chunks(const at::Tensor& k, const at::Tensor& v, const int32_t* start_ptr,
                             const int32_t* len_ptr, int64_t num_chunks) {
-  ChunkLayouts layouts;
-  layouts.dim = k.size(2);
+  ChunkLayouts layouts(k, len_ptr, num_chunks);
   const int64_t kv_heads = k.size(1), dim = layouts.dim;
-  int64_t total = 0;
-  std::vector<std::array<int64_t, 2>> units;  // (chunk, key panel), each for every KV head
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t width = (len_ptr[c] + kPanel - 1) / kPanel * kPanel;
-    layouts.offset.push_back(total);
-    layouts.width.push_back(width);
-    total += kv_heads * width * dim;
-    for (int64_t panel = 0; panel < width / kPanel; ++panel) units.push_back({c, panel});
-  }
-  std::vector<float>& room = layout_room(2 * total);
-  layouts.keys_t = room.data();
-  layouts.values = room.data() + total;
+  const auto& units = layouts.units;
   const T* k_ptr = k.data_ptr<T>();
   const T* v_ptr = v.data_ptr<T>();
   const int64_t dim_panels = dim / kPanel;
@@ -213,20 +215,7 @@ ChunkLayouts lay_out_chunks(const at::Tensor& k, const at::Tensor& v, const int3
 // layouts, per (chunk, KV head), for the chunk's keys rounded up to whole panels (zeros
 // past them): keys as B tiles read them for Q K^T, [dim / 2][key][2] (a row of pairs of
 // dimensions for 16 keys), values for P V, [key / 2][dim][2].
-struct PairLayouts {
-  std::vector<int64_t> offset;  // chunk c's first element in each of the two layouts
-  std::vector<int64_t> width;
-  at::BFloat16* keys = nullptr;
-  at::BFloat16* values = nullptr;
-  int64_t dim = 0;
-
-  at::BFloat16* keys_of(int64_t c, int64_t h) const {
-    return keys + offset[c] + h * width[c] * dim;
-  }
-  at::BFloat16* values_of(int64_t c, int64_t h) const {
-    return values + offset[c] + h * width[c] * dim;
-  }
-};
+using PairLayouts = Layouts<at::BFloat16>;
 
 // Two rows of `dim` bfloat16 values (null: zeros) as pairs, [dim][2], into out.
 void interleave_rows(const at::BFloat16* first, const at::BFloat16* second, int64_t dim,
@@ -254,22 +243,9 @@ void interleave_rows(const at::BFloat16* first, const at::BFloat16* second, int6
 
 PairLayouts lay_out_pairs(const at::Tensor& k, const at::Tensor& v, const int32_t* start_ptr,
                           const int32_t* len_ptr, int64_t num_chunks) {
-  PairLayouts layouts;
-  layouts.dim = k.size(2);
+  PairLayouts layouts(k, len_ptr, num_chunks);
   const int64_t kv_heads = k.size(1), dim = layouts.dim;
-  int64_t total = 0;
-  std::vector<std::array<int64_t, 2>> units;  // (chunk, key panel), each for every KV head
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t width = (len_ptr[c] + kPanel - 1) / kPanel * kPanel;
-    layouts.offset.push_back(total);
-    layouts.width.push_back(width);
-    total += kv_heads * width * dim;
-    for (int64_t panel = 0; panel < width / kPanel; ++panel) units.push_back({c, panel});
-  }
-  thread_local std::vector<at::BFloat16> room;  // kept from call to call, as layout_room
-  if (static_cast<int64_t>(room.size()) < 2 * total) room.resize(2 * total);
-  layouts.keys = room.data();
-  layouts.values = room.data() + total;
+  const auto& units = layouts.units;
   const at::BFloat16* k_ptr = k.data_ptr<at::BFloat16>();
   const at::BFloat16* v_ptr = v.data_ptr<at::BFloat16>();
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
