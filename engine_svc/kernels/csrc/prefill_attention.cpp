@@ -109,6 +109,25 @@ std::vector<Task> longest_first_tasks(const int32_t* len_ptr, int64_t num_chunks
   return tasks;
 }
 
+// A task's query rows and the keys it reads: [first_key, first_row + rows), `width` of them
+// rounded up to whole panels. Causal, no query here sees further; windowed, none sees further
+// back than the first row's window (the keys before it in the first panel are masked by
+// causal_softmax, their products 0).
+struct TaskSpan {
+  int64_t rows;
+  int64_t first_key;
+  int64_t width;
+};
+
+TaskSpan task_span(const Task& task, const int32_t* len_ptr, int64_t window) {
+  const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
+  const int64_t first_panel =
+      window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) / kPanel : 0;
+  const int64_t first_key = first_panel * kPanel;
+  const int64_t keys = task.first_row + rows - first_key;
+  return {rows, first_key, (keys + kPanel - 1) / kPanel * kPanel};
+}
+
 // bfloat16 rows of P V's float32 sums: each times its 1 / sum, then rounded to nearest even
 // as torch rounds, into out (rows out_stride elements apart).
 void normalize_rows(float* result, int64_t rows, int64_t dim, const float* inv_sums,
@@ -319,12 +338,9 @@ void tile_gemm(const at::BFloat16* a, int64_t lda, int64_t rows_padded, const at
 }
 
 // rows x width float32 values that are bfloat16 already (P's rounded numerators), as
-// bfloat16: their high halves.
+// bfloat16 (vec.h's store_bf16 keeps their high halves).
 void narrow_exact(const float* src, int64_t rows, int64_t width, at::BFloat16* dst) {
-  for (int64_t i = 0; i < rows * width; i += 16) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(src + i)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bits));
-  }
+  for (int64_t i = 0; i < rows * width; i += kLanes) store_bf16(fvec::loadu(src + i), dst + i);
 }
 
 void attend_chunks_amx(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
@@ -349,14 +365,8 @@ void attend_chunks_amx(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
          index = next_task++) {
       const Task& task = tasks[index];
       const int64_t start = start_ptr[task.chunk];
-      const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
+      const auto [rows, first_key, width] = task_span(task, len_ptr, window);
       const int64_t rows_padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
-      // The keys as the float32 path takes them (attend_chunks).
-      const int64_t first_panel =
-          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) / kPanel : 0;
-      const int64_t first_key = first_panel * kPanel;
-      const int64_t keys = task.first_row + rows - first_key;
-      const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
       const int64_t chunk_width = layouts.width[task.chunk];
       const at::BFloat16* key_pairs = layouts.keys_of(task.chunk, task.kv_head) + 2 * first_key;
       const at::BFloat16* value_pairs =
@@ -419,15 +429,7 @@ void attend_chunks(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, co
          index = next_task++) {
       const Task& task = tasks[index];
       const int64_t start = start_ptr[task.chunk];
-      const int64_t rows = std::min<int64_t>(kTaskRows, len_ptr[task.chunk] - task.first_row);
-      // Keys [first_key, first_row + rows), whole panels of them: causal, no query here sees
-      // further; windowed, none sees further back than the first row's window (the keys
-      // before it in the first panel are masked by causal_softmax, their products 0).
-      const int64_t first_panel =
-          window > 0 ? std::max<int64_t>(0, task.first_row - window + 1) / kPanel : 0;
-      const int64_t first_key = first_panel * kPanel;
-      const int64_t keys = task.first_row + rows - first_key;
-      const int64_t width = (keys + kPanel - 1) / kPanel * kPanel;
+      const auto [rows, first_key, width] = task_span(task, len_ptr, window);
       const int64_t chunk_width = layouts.width[task.chunk];
       const float* keys_t = layouts.keys_of(task.chunk, task.kv_head) + first_key * dim;
       const float* values = layouts.values_of(task.chunk, task.kv_head) + first_key * kPanel;
