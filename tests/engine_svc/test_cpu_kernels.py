@@ -339,7 +339,7 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(tmp_path: Path)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 7 and 100: a partial vector at the end; 24 and 48: a whole one after the pairs of vectors
-@pytest.mark.parametrize("width", [1536, 100, 48, 24, 7])
+@pytest.mark.parametrize("width", [1536, 100, 64, 48, 24, 7])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     generator = torch.Generator().manual_seed(5)
     # The fused gate_up output, rows of a wider buffer; values out to where exp saturates.
@@ -349,10 +349,16 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert got.dtype == dtype and got.shape == (33, width)
+    build = loaded_build()
+    if width % 32 == 0 and build is not None and build.fast:
+        # torch's silu (its vectorized exp, Sleef's, and the same division), rounded where
+        # torch's ops round: the same bits, -0 included, where torch's loop runs vectors all
+        # along (it takes two at a time; a remainder goes through the scalar std::exp, as
+        # the plain-C++ build's vectors do).
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), expected.contiguous().view(bits))
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-    if dtype == torch.bfloat16:  # rounded where torch's silu and mul round: equal but at ties
-        assert (got == expected).double().mean().item() > 0.99
 
 
 # ---- prefill attention ----------------------------------------------------------------------

@@ -279,9 +279,9 @@ __attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __re
 }
 
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
-// silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) with a vectorized exp (within
-// 2 ulp of expf, so within a few ulp of torch's silu) in float32; bfloat16 computed in float32
-// and rounded where torch's two ops round; other dtypes, torch's ops.
+// silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) as torch computes it (vec.h)
+// in float32; bfloat16 computed in float32 and rounded where torch's two ops round, so both
+// are torch's bits wherever torch's loop runs vectors; other dtypes, torch's ops.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
               "silu_and_mul: x must be [rows, 2 * width], rows contiguous");

@@ -235,7 +235,7 @@ inline void store_bf16(fvec rounded, at::BFloat16* p, int64_t n) {
 
 // exp(x): n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 Taylor
 // polynomial for exp(r) on |r| <= ln2 / 2, scaled by 2^n through the exponent bits. Within
-// 2 ulp of expf down to FLT_MIN (results below it are 0, as softmax and silu can take);
+// 2 ulp of expf down to FLT_MIN (results below it are 0, as softmax can take);
 // +inf above 88.7.
 inline fvec exp(fvec x) {
   const fvec low(-87.3365447f), high(88.7228394f);
@@ -258,8 +258,10 @@ inline fvec exp(fvec x) {
   return fvec::blendv(fvec::blendv(result, zero, x < low), infinity, x > high);
 }
 
-// silu(g) = g / (1 + exp(-g)), with the exp above.
-inline fvec silu(fvec g) { return g / (fvec(1.0f) + exp(fvec(0.0f) - g)); }
+// silu(g) = g / (1 + exp(-g)) as torch's CPU kernel computes it, with ATen's vectorized exp
+// (Sleef's on AVX-512 and AVX2): torch's bits, and at 2,048 rows of SmolLM2's MLP 1.44x the
+// speed of the same formula on the exp above (bfloat16 on the Xeon with AMX).
+inline fvec silu(fvec g) { return g / (fvec(1.0f) + g.neg().exp()); }
 
 // v as the dtype T holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
 template <typename T>
