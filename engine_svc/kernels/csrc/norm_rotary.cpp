@@ -3,10 +3,9 @@
 // over its rows where torch runs two to eight kernels, each reading and writing the whole
 // activation.
 //
-// Numerics follow Hugging Face's float32 code: the residual add and the rotary products and
-// sum are the same IEEE operations in the same order (no FMA contraction), so they are
-// bit-identical; RMSNorm's mean of squares is summed in another order than torch's, which can
-// move the result by an ulp.
+// Numerics follow Hugging Face's float32 code: the residual add, the rotary products and sum,
+// and RMSNorm's mean of squares are the same IEEE operations in the same order (no FMA
+// contraction), so they are bit-identical.
 
 #include "vec.h"
 
@@ -18,7 +17,10 @@
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -26,6 +28,87 @@
 
 namespace duoserve {
 namespace {
+
+// torch's CPU sum kernel, as x.pow(2).mean(-1) runs it in Hugging Face's RMSNorm, adds a
+// row's squares in this order; summing them in it makes the mean torch's bit for bit. The
+// kernel is registered for AVX2 and not for AVX-512, so on every x86 machine it adds 8-lane
+// groups; rows under 8 values take the same scheme over single values. The row's whole
+// groups are read as rows of kSumIlp groups, each position with a running sum of its own;
+// every 2^power rows of groups a level's sums move into the next level's (and on, while the
+// row count is a multiple of the next level's span), so no sum runs over too many terms. The
+// levels then add into the first, the groups left over after the last whole row of groups
+// add into its first sum, the kSumIlp sums add in turn, and the values past the last whole
+// group, summed from 0, take that sum's lanes one by one.
+constexpr int kSumLanes = 8;
+constexpr int kSumIlp = 4;
+constexpr int kSumLevels = 4;
+
+inline int64_t ceil_log2(int64_t x) {
+  return x <= 2 ? 1 : std::bit_width(static_cast<uint64_t>(x - 1));
+}
+
+// sums[l] += values[l]^2, the square rounded before the add.
+template <int Lanes, typename T>
+__attribute__((always_inline, optimize("fp-contract=off"))) inline void add_squares(
+    float* __restrict sums, const T* __restrict values) {
+  for (int l = 0; l < Lanes; ++l) {
+    const float v = static_cast<float>(values[l]);
+    sums[l] += v * v;
+  }
+}
+
+template <int Lanes, typename T>
+__attribute__((optimize("fp-contract=off"))) float sum_squares_of_groups(const T* __restrict x,
+                                                                         int64_t width) {
+  const auto add_group = [x](float* sums, int64_t group) {
+    add_squares<Lanes>(sums, x + group * Lanes);
+  };
+  const int64_t groups = width / Lanes, rows = groups / kSumIlp;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / kSumLevels);
+  const int64_t step = int64_t{1} << power, mask = step - 1;
+  float acc[kSumLevels][kSumIlp][Lanes] = {};
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int k = 0; k < kSumIlp; ++k) add_group(acc[0][k], i * kSumIlp + k);
+    }
+    for (int level = 1; level < kSumLevels; ++level) {
+      for (int k = 0; k < kSumIlp; ++k) {
+        for (int l = 0; l < Lanes; ++l) {
+          acc[level][k][l] += acc[level - 1][k][l];
+          acc[level - 1][k][l] = 0.0f;
+        }
+      }
+      if ((i & (mask << (level * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) {
+    for (int k = 0; k < kSumIlp; ++k) add_group(acc[0][k], i * kSumIlp + k);
+  }
+  float* first = acc[0][0];
+  for (int level = 1; level < kSumLevels; ++level) {
+    for (int k = 0; k < kSumIlp; ++k) {
+      for (int l = 0; l < Lanes; ++l) acc[0][k][l] += acc[level][k][l];
+    }
+  }
+  for (int64_t g = rows * kSumIlp; g < groups; ++g) add_group(first, g);
+  for (int k = 1; k < kSumIlp; ++k) {
+    for (int l = 0; l < Lanes; ++l) first[l] += acc[0][k][l];
+  }
+  float total = 0.0f;
+  for (int64_t e = groups * Lanes; e < width; ++e) {
+    const float v = static_cast<float>(x[e]);
+    total += v * v;
+  }
+  for (int l = 0; l < Lanes; ++l) total += first[l];
+  return total;
+}
+
+template <typename T>
+float torch_sum_of_squares(const T* __restrict x, int64_t width) {
+  return width < kSumLanes ? sum_squares_of_groups<1>(x, width)
+                           : sum_squares_of_groups<kSumLanes>(x, width);
+}
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_out,
@@ -35,20 +118,16 @@ void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_o
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * width;
       scalar_t* yr = out + r * width;
-      float sum = 0.0f;
       if (residual_in != nullptr) {  // x + residual, kept as the new residual stream
         const scalar_t* rr = residual_in + r * width;
         scalar_t* sr = residual_out + r * width;
         for (int64_t i = 0; i < width; ++i) {
-          const scalar_t v = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          sr[i] = v;
-          sum += static_cast<float>(v) * static_cast<float>(v);
+          sr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
         }
         xr = sr;
-      } else {
-        for (int64_t i = 0; i < width; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
       }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
+      const float mean = torch_sum_of_squares(xr, width) / static_cast<float>(width);
+      const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
       for (int64_t i = 0; i < width; ++i) {
         const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[i]) * inv);
         yr[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
@@ -59,9 +138,9 @@ void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_o
 
 // bfloat16 in registers, kLanes values at a time, with the roundings torch's bfloat16 ops
 // make: the residual sum, the normalised value and its product by the weight each rounded
-// to bfloat16 (round_to_bf16: in the float32 lanes, no packing until the store); only the
-// sum of squares runs in another order than torch's. (The scalar loop above converted one
-// value at a time: 350 us for 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch.)
+// to bfloat16 (round_to_bf16: in the float32 lanes, no packing until the store); the sum of
+// squares in torch's order, above. (The scalar loop above converted one value at a time:
+// 350 us for 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch.)
 // The row functions are flattened: GCC left vector helpers as calls in this unit's later
 // functions (its inlining budget spent), which made them slower than scalar code.
 
@@ -89,22 +168,15 @@ __attribute__((flatten)) void rms_norm_row_bf16(const at::BFloat16* __restrict x
                                                 const at::BFloat16* __restrict weight,
                                                 at::BFloat16* __restrict out, int64_t width,
                                                 float eps) {
-  fvec squares(0.0f);  // lanes past the row's end add zeros
   const at::BFloat16* row = x;  // what is normalised: x, or x + residual
   if (residual != nullptr) {  // x + residual, rounded: the new residual stream
     each_vector(width, [&](int64_t i, int64_t n) {
-      const fvec sum = round_to_bf16(load(x + i, n) + load(residual + i, n));
-      store(sum, summed + i, n);
-      squares = at::vec::fmadd(sum, sum, squares);
+      store(round_to_bf16(load(x + i, n) + load(residual + i, n)), summed + i, n);
     });
     row = summed;
-  } else {
-    each_vector(width, [&](int64_t i, int64_t n) {
-      const fvec v = load(row + i, n);
-      squares = at::vec::fmadd(v, v, squares);
-    });
   }
-  const fvec inv(1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) + eps));
+  const float mean = torch_sum_of_squares(row, width) / static_cast<float>(width);
+  const fvec inv(1.0f / std::sqrt(mean + eps));
   each_vector(width, [&](int64_t i, int64_t n) {
     // The normalised value, rounded, then its product by the weight.
     const fvec normed = round_to_bf16(load(row + i, n) * inv);
