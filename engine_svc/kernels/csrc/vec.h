@@ -233,34 +233,9 @@ inline void store_bf16(fvec rounded, at::BFloat16* p, int64_t n) {
   std::memcpy(p, lanes, n * sizeof(at::BFloat16));
 }
 
-// exp(x): n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 Taylor
-// polynomial for exp(r) on |r| <= ln2 / 2, scaled by 2^n through the exponent bits. Within
-// 2 ulp of expf down to FLT_MIN (results below it are 0, as softmax can take);
-// +inf above 88.7.
-inline fvec exp(fvec x) {
-  const fvec low(-87.3365447f), high(88.7228394f);
-  const fvec clamped = at::vec::minimum(at::vec::maximum(x, low), high);
-  const fvec n = (clamped * fvec(1.44269504088896341f)).round();
-  fvec r = at::vec::fnmadd(n, fvec(0.693359375f), clamped);
-  r = at::vec::fnmadd(n, fvec(-2.12194440e-4f), r);
-  fvec p(1.0f / 5040);
-  p = at::vec::fmadd(p, r, fvec(1.0f / 720));
-  p = at::vec::fmadd(p, r, fvec(1.0f / 120));
-  p = at::vec::fmadd(p, r, fvec(1.0f / 24));
-  p = at::vec::fmadd(p, r, fvec(1.0f / 6));
-  p = at::vec::fmadd(p, r, fvec(0.5f));
-  p = at::vec::fmadd(p, r, fvec(1.0f));
-  p = at::vec::fmadd(p, r, fvec(1.0f));
-  // n in [-126, 128]: 2^n's bits are (n + 127) << 23; n = 128 makes +inf, as x > 88.7 must.
-  const ivec bits = (at::vec::convert_to_int_of_same_size(n) + ivec(127)) << ivec(23);
-  const fvec result = p * at::vec::cast<float>(bits);
-  const fvec zero(0.0f), infinity(__builtin_inff());
-  return fvec::blendv(fvec::blendv(result, zero, x < low), infinity, x > high);
-}
-
 // silu(g) = g / (1 + exp(-g)) as torch's CPU kernel computes it, with ATen's vectorized exp
 // (Sleef's on AVX-512 and AVX2): torch's bits, and at 2,048 rows of SmolLM2's MLP 1.44x the
-// speed of the same formula on the exp above (bfloat16 on the Xeon with AMX).
+// speed of the same formula on a degree-7 polynomial exp (bfloat16 on the Xeon with AMX).
 inline fvec silu(fvec g) { return g / (fvec(1.0f) + g.neg().exp()); }
 
 // v as the dtype T holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
