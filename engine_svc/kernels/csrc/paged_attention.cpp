@@ -341,7 +341,7 @@ float softmax_numerators(float* __restrict s, int64_t len, int64_t padded) {
   const fvec max_score(reduce_max(max_v));
   fvec sum_v(0.0f);
   for (int64_t t = 0; t < padded; t += kLanes) {
-    const fvec e = (fvec::loadu(s + t) - max_score).exp_u20();
+    const fvec e = (fvec::loadu(s + t) - max_score).exp();
     const fvec kept = fvec::set(fvec(0.0f), e, std::min<int64_t>(kLanes, len - t));
     // bfloat16: P V takes the numerators rounded to bfloat16 (the sum stays unrounded),
     // as torch's flash attention does, so outputs stay Hugging Face's SDPA ones.

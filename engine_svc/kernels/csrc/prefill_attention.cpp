@@ -56,10 +56,10 @@ struct Task {
 // inputs), the row keeps its numerators rounded to bfloat16 and inv_sums[i] gets 1 / sum of
 // the unrounded ones, to apply after P V: how torch's flash attention computes in bfloat16,
 // so the engine's bfloat16 outputs stay those of Hugging Face's SDPA. The numerators take
-// ATen's faster exp_u20 (within 20 ulp): 16 chunks of 64-192 tokens of SmolLM2's heads in
-// bfloat16, 1.46-1.54 ms a layer against 1.97-2.02 with a degree-7 polynomial within 2 ulp;
-// of 86,400 bfloat16 outputs 18 changed, and float32 outputs bit-equal to torch's flash
-// attention went from 15.1% to 17.2%.
+// ATen's vectorized exp (Sleef's, within 1 ulp): 16 chunks of 64-192 tokens of SmolLM2's
+// heads in bfloat16, 1.57 ms a layer against 1.97-2.01 with a degree-7 polynomial within 2
+// ulp (and 1.46-1.54 with ATen's exp_u20, within 20 ulp, which tipped more of the bench's
+// near-ties away from Hugging Face's outputs: 36 of 64 equal, against 40 and 41 with Sleef's).
 void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t first_key,
                     int64_t width, int64_t window, float scale, float* inv_sums) {
   const fvec lowest(-std::numeric_limits<float>::infinity());
@@ -81,7 +81,7 @@ void causal_softmax(float* scores, int64_t rows, int64_t first_row, int64_t firs
     const fvec max_score(reduce_max(max_v));
     fvec sum_v(0.0f);
     for (int64_t j = 0; j < width; j += kLanes) {
-      const fvec e = (fvec::loadu(s + j) * scale_v - max_score).exp_u20();
+      const fvec e = (fvec::loadu(s + j) * scale_v - max_score).exp();
       const fvec kept = fvec::set(fvec(0.0f), e, std::clamp<int64_t>(keys - j, 0, kLanes));
       (inv_sums != nullptr ? round_to_bf16(kept) : kept).store(s + j);
       sum_v = sum_v + kept;
