@@ -96,10 +96,7 @@ __attribute__((optimize("fp-contract=off"))) float sum_squares_of_groups(const T
     for (int l = 0; l < Lanes; ++l) first[l] += acc[0][k][l];
   }
   float total = 0.0f;
-  for (int64_t e = groups * Lanes; e < width; ++e) {
-    const float v = static_cast<float>(x[e]);
-    total += v * v;
-  }
+  for (int64_t e = groups * Lanes; e < width; ++e) add_squares<1>(&total, x + e);
   for (int l = 0; l < Lanes; ++l) total += first[l];
   return total;
 }

@@ -33,7 +33,6 @@
 namespace duoserve {
 
 using fvec = at::vec::Vectorized<float>;
-using ivec = at::vec::Vectorized<int32_t>;
 
 constexpr int kLanes = fvec::size();
 
