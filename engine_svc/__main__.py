@@ -109,13 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
         "once): fewer, larger messages, less CPU per token (default: %(default)s)",
     )
     add(
-        "--service-idle-priority",
-        action="store_true",
-        help="once the engine core runs, this service's own threads (gRPC, outputs) take only "
-        "CPU the core leaves idle (SCHED_IDLE): on a CPU engine with a few cores and many "
-        "streams they no longer preempt the model's threads (Linux)",
-    )
-    add(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -228,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         auth_tokens=auth_tokens,
         tls=tls,
-        idle_priority=args.service_idle_priority,
     )
     return asyncio.run(serve(config, options))
 

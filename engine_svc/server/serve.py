@@ -17,7 +17,6 @@ from engine_svc.client.dp_client import make_async_client
 from engine_svc.config import EngineConfig
 from engine_svc.server import generate_many
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
-from engine_svc.server.cpu_priority import take_idle_priority
 from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
 from shared.grpc_auth import TokenSet, server_interceptors
@@ -50,8 +49,6 @@ class ServiceOptions:
     log_level: str = "INFO"
     auth_tokens: TokenSet | None = None  # None: no authentication
     tls: ServerTLS | None = None  # None: plaintext
-    # This process's threads at SCHED_IDLE once the engine cores run (cpu_priority.py).
-    idle_priority: bool = False
 
 
 async def serve(config: EngineConfig, options: ServiceOptions) -> int:
@@ -95,8 +92,6 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
         if not await _start_engines(client, stop_reason, options.startup_timeout_s):
             await server.stop(grace=None)
             return 0 if stop_reason.done() and stop_reason.result() == "signal" else 1
-        if options.idle_priority:
-            take_idle_priority()  # after the engine cores started: they keep their policy
         client.set_observer(_engine_metrics(registry, options, client))
         await set_serving(health_servicer, True)
         logger.info("serving %s", options.model_name)
