@@ -11,8 +11,9 @@ Each request asks for `ignore_eos`, so lengths are exact. Several rates or concu
 sweep: one run each, the prefix cache emptied between runs (when the engine's address is
 known), a PNG of throughput against latency. Prints the machine and its ceilings, then each
 run's figures (vLLM `bench serve`'s: request/s, tokens/s, TTFT, TPOT, ITL, E2E), and writes
-them all as JSON. `--against-offline` runs the same token ids through our offline API after
-each run (offline_baseline.py) and prints serve/offline.
+them all as JSON. Where it started the services, each run also prints what each process
+spent in CPU time (cpu_costs.py). `--against-offline` runs the same token ids through our
+offline API after each run (offline_baseline.py) and prints serve/offline.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 import grpc
 import torch
 
+from engine_svc.bench import cpu_costs
+from engine_svc.bench.cpu_costs import CostCounters
 from engine_svc.bench.hardware import DTYPES
 from engine_svc.bench.load import (
     StreamError,
@@ -227,13 +230,18 @@ def main(argv: list[str]) -> None:
                 sys.exit(f"bench serve: {error}")
             stack.callback(baseline.close)
         addresses = stack.enter_context(services(args))
+        # Services started here: what each process spent, per step and per output token.
+        counters = None if addresses.engine_pid is None else CostCounters(addresses)
+        reports = [cpu_costs.report] if counters else []
+        reports += [baseline.report] if baseline else []
         runs = sweep(
             args,
             requests,
             lambda in_flight: FrontendClient(addresses.frontend, in_flight),
             lambda: reset_prefix_cache(addresses.engine),
             ceilings,
-            report=None if baseline is None else baseline.report,
+            counters=counters,
+            report=(lambda summary: "\n".join(r(summary) for r in reports)) if reports else None,
         )
     result = {"mode": "serve", "num_prompts": len(requests), "engine_args": args.engine_arg}
     if baseline is not None:
