@@ -148,13 +148,13 @@ def test_bench_serve_sweeps_through_the_started_services(
         assert run["mean_itl_ms"] is None or run["mean_itl_ms"] > 0
         # What each process spent, from counters read around the run: the engine counted
         # every prompt token it computed (not those the prefix cache held) and every output
-        # token in its steps; a streamed token costs every process on its way CPU time, the
-        # benchmark's own client included.
+        # token in its steps. CPU time is read in clock ticks, which a run this short may
+        # not advance: each process's figure is there, never negative.
         computed = run["total_input_tokens"] - run["cached_input_tokens"]
         assert run["delta_step_tokens"] == computed + run["total_output_tokens"]
-        assert run["engine_core_cpu_ms_per_step"] > 0
+        assert run["engine_core_cpu_ms_per_step"] >= 0
         for process in ("engine_service", "frontend", "bench_client"):
-            assert run[f"{process}_cpu_us_per_token"] > 0
+            assert run[f"{process}_cpu_us_per_token"] >= 0
     assert done.stdout.count("CPU per output token: engine service (gRPC)") == 2
     # One at a time, each group's later requests find its two 16-token prefix blocks cached
     # (2 groups x 2 later requests x 32 tokens), its first does not: the cache was emptied
@@ -188,7 +188,7 @@ def test_bench_overhead_runs_the_stack_without_a_model(
     assert run["delta_step_tokens"] == run["total_input_tokens"] + run["total_output_tokens"]
     assert run["delta_steps"] >= 16
     assert run["engine_core_cpu_ms_per_step"] >= 0 and run["frontend_cpu_us_per_token"] >= 0
-    assert run["bench_client_cpu_us_per_token"] > 0
+    assert run["bench_client_cpu_us_per_token"] >= 0
     assert "engine core CPU per step:" in done.stdout
     # The core alone, stepped in process with every request of the sweep's concurrency.
     summary = json.loads(result.read_text())
