@@ -5,10 +5,7 @@ cost: scheduling, the busy loop's IPC, gRPC both ways, detokenization, output as
     python -m engine_svc.bench overhead --model DIR [serve's options]
 
 Defaults: 256 prompts of 32 tokens (x [0.5, 1.5]) x 256 new tokens, 64 in flight. Besides
-serve's figures it prints, from counters read before and after each run, the engine-core
-process's CPU time per step (steps: the engine's vllm:iteration_tokens_total count) and the
-CPU time per output token of the engine service's gRPC process, the frontend and the
-benchmark's client (cpu_costs.py); then
+serve's figures, among them what each process spent in CPU time (cpu_costs.py), it prints
 the engine core alone, in this process, stepped at the sweep's largest concurrency of
 running requests (core_steps.py).
 """

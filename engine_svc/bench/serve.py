@@ -32,7 +32,6 @@ import grpc
 import torch
 
 from engine_svc.bench import cpu_costs
-from engine_svc.bench.cpu_costs import CostCounters
 from engine_svc.bench.hardware import DTYPES
 from engine_svc.bench.load import (
     StreamError,
@@ -231,7 +230,7 @@ def main(argv: list[str]) -> None:
             stack.callback(baseline.close)
         addresses = stack.enter_context(services(args))
         # Services started here: what each process spent, per step and per output token.
-        counters = None if addresses.engine_pid is None else CostCounters(addresses)
+        counters = None if addresses.engine_pid is None else cpu_costs.CostCounters(addresses)
         reports = [cpu_costs.report] if counters else []
         reports += [baseline.report] if baseline else []
         runs = sweep(
