@@ -1,9 +1,9 @@
 """Turn the logits of the sampled rows into tokens, one request's parameters per row.
 
 Greedy rows take the argmax. Random rows go through temperature, top-k, top-p and min-p,
-then an exponential race (argmax of p / Exp(1) noise) that draws from the distribution. A
-seeded request draws its noise from a generator seeded by (seed, output index), so its
-tokens do not depend on what else is in the batch, on preemption, or on pipelining.
+then one uniform draw each picks from the distribution (random_sampling.py). A seeded request
+draws from a generator seeded by (seed, output index), so its tokens do not depend on what
+else is in the batch, on preemption, or on pipelining.
 Until a request has min_tokens output tokens, the tokens that would end it are masked out.
 Logprobs are those of the raw model output (before masks, penalties and temperature), as
 vLLM's default.
@@ -17,6 +17,7 @@ import torch
 
 from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.worker.random_sampling import RowFilters, sample
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the seed space
 
@@ -62,11 +63,11 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            for i, row in enumerate(rows):
-                if row.params.logprobs is not None:
-                    logprobs[i] = _token_logprobs(
-                        raw_logprobs[i], token_list[i], row.params.logprobs
-                    )
+            wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            for i, entry in zip(
+                wanted, _token_logprobs(raw_logprobs, tokens, rows, wanted), strict=True
+            ):
+                logprobs[i] = entry
         return token_list, logprobs
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -103,27 +104,35 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        greedy_tokens = self._argmax(logits)
-        temperatures = torch.tensor(
-            [r.params.temperature if not r.params.is_greedy else 1.0 for r in rows],
-            device=self.device,
+        """Greedy rows' argmax and the random rows' draws, one uniform number each: from the
+        row's own generator where the request has a seed, else from the sampler's."""
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            tokens.index_copy_(0, index, self._argmax(logits.index_select(0, index)))
+        # float64: a top-p row may reuse what is left of its number after a rejection.
+        uniforms = torch.rand(
+            len(random), generator=self.generator, device=self.device, dtype=torch.float64
         )
-        logits = logits / temperatures.unsqueeze(1)
-        logits = _apply_top_k_top_p(logits, rows, self.device)
-        probs = torch.softmax(logits, dim=-1)
-        min_ps = [r.params.min_p for r in rows]
-        if any(min_ps):
-            threshold = torch.tensor(min_ps, device=self.device).unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None and not row.params.is_greedy:
+        for position, i in enumerate(random):
+            row = rows[i]
+            if row.params.seed is not None:
                 seed = (row.params.seed * _SEED_MIX + row.output_index) % (2**63)
                 self._row_generator.manual_seed(seed)
-                noise[i].exponential_(generator=self._row_generator)
-        sampled = self._argmax(probs / noise)
-        is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=self.device)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+                uniforms[position] = torch.rand(
+                    (), generator=self._row_generator, device=self.device, dtype=torch.float64
+                )
+        filters = [
+            RowFilters(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
+            for r in (rows[i] for i in random)
+        ]
+        if not greedy:  # all rows random: no copies
+            return sample(logits, filters, uniforms)
+        index = torch.tensor(random, device=logits.device)
+        tokens.index_copy_(0, index, sample(logits.index_select(0, index), filters, uniforms))
+        return tokens
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -141,42 +150,33 @@ def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, rows: list[SamplingRow], device: torch.device
-) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    top_ks = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
-    top_ps = [r.params.top_p for r in rows]
-    use_k = any(k < vocab for k in top_ks)
-    use_p = any(p < 1.0 for p in top_ps)
-    if not (use_k or use_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        k = torch.tensor(top_ks, device=device).unsqueeze(1)
-        mask |= torch.arange(vocab, device=device).unsqueeze(0) < (vocab - k)
-    if use_p:
-        p = torch.tensor(top_ps, device=device).unsqueeze(1)
-        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-        mask |= probs.cumsum(dim=-1) <= 1 - p
-        mask[:, -1] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _token_logprobs(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    logprob = row_logprobs[token_id]
-    rank = int((row_logprobs > logprob).sum().item()) + 1
-    top_ids: list[int] = []
-    top_values: list[float] = []
-    if num_top:
-        values, ids = row_logprobs.topk(num_top)
-        top_ids, top_values = ids.tolist(), values.tolist()
-    return TokenLogprobs(
-        token_id=token_id,
-        logprob=float(logprob.item()),
-        rank=rank,
-        top_token_ids=top_ids,
-        top_logprobs=top_values,
-    )
+def _token_logprobs(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
+) -> list[TokenLogprobs]:
+    """The sampled token's logprob and rank, and the most likely tokens' logprobs, of the
+    rows in `wanted`: one comparison and one top-k for all of them."""
+    index = torch.tensor(wanted, device=raw_logprobs.device)
+    row_logprobs = raw_logprobs.index_select(0, index)
+    token_ids = tokens.index_select(0, index)
+    chosen = row_logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = ((row_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen_logprobs, chosen_ids = chosen.squeeze(1).tolist(), token_ids.tolist()
+    most = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if most:
+        values, ids = row_logprobs.topk(most, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    entries = []
+    for position, i in enumerate(wanted):
+        num_top = rows[i].params.logprobs or 0
+        entries.append(
+            TokenLogprobs(
+                token_id=chosen_ids[position],
+                logprob=chosen_logprobs[position],
+                rank=ranks[position],
+                top_token_ids=top_ids[position][:num_top],
+                top_logprobs=top_values[position][:num_top],
+            )
+        )
+    return entries
