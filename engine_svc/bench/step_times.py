@@ -5,9 +5,11 @@ of the runner (inputs, state). Timers, not the torch profiler: that one doubled 
 head's time on the Zen 5 and sees only the thread it started on.
 
     python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
+        [--temperature T [--top-p P] [--top-k K] [--min-p M]]
 
-A step counts as a decode step when every request it runs takes one token; a step with any
-prompt chunk in it is a prompt step.
+Greedy unless --temperature is above 0: then every request samples, with those filters (the
+sampling part of a decode step is theirs). A step counts as a decode step when every request
+it runs takes one token; a step with any prompt chunk in it is a prompt step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from engine_svc.bench.alternating import make_workload
 from engine_svc.bench.hardware import DTYPES
 from engine_svc.bench.load import vocab_size_of
 from engine_svc.core.sched.output import SchedulerOutput
+from engine_svc.sampling_params import SamplingParams
+from shared.errors import InvalidRequestError
 
 DECODE_PARTS = ("forward", "logits", "sampling")
 
@@ -114,14 +118,14 @@ def timed_runner(runner: Any, times: StepTimes) -> Iterator[None]:
 def measure(args: argparse.Namespace) -> list[StepTimes]:
     """The workload's batch `args.rounds` times (after a warm-up), each cold: no prefix-cache
     hits, as offline mode runs it."""
-    from engine_svc import LLM, SamplingParams
+    from engine_svc import LLM
 
     vocab_size = vocab_size_of(args.model)
     assert vocab_size is not None, "the model directory is required"
     workload = make_workload(args, vocab_size)
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads)
     try:
-        params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
+        params = sampling_params(args, max_tokens=workload.output_len)
         llm.generate([workload.single_prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))
         runner = llm.engine_core.executor.runner
         rounds = []
@@ -138,6 +142,18 @@ def measure(args: argparse.Namespace) -> list[StepTimes]:
         llm.shutdown()
 
 
+def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed if args.temperature > 0 else None,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m engine_svc.bench steps", description=__doc__.splitlines()[0]
@@ -152,11 +168,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="batches timed, one line each")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
     parser.add_argument("--result-file", help="write the rounds as JSON here")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: every token")
+    parser.add_argument("--min-p", type=float, default=0.0)
     options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     options.require_positive(parser, args, ["num_prompts", "output_len", "min_len", "rounds"])
     options.require_ordered(parser, args, "min_len", "max_len")
+    try:
+        sampling_params(args, max_tokens=1).validate()
+    except InvalidRequestError as error:
+        parser.error(str(error))
     return args
 
 

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine_svc.bench import machine as bench_machine
+from engine_svc.bench import step_times
 from engine_svc.bench.step_times import DECODE_PARTS, StepTimes, is_decode_step, timed_runner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,13 +92,31 @@ def test_steps_mode_counts_the_workloads_steps_and_times_their_parts(
         assert times["prompt_s"] + times["decode_s"] <= times["batch_s"]
 
 
-def test_bad_arguments_name_the_option() -> None:
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--temperature", "0.8", "--top-p", "0"], "top_p: must be in (0, 1]"),
+    ],
+)
+def test_bad_arguments_name_the_option(arguments: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "engine_svc.bench", "steps", "--model", "x", "--rounds", "0"],
+        [sys.executable, "-m", "engine_svc.bench", "steps", "--model", "x", *arguments],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_sampling_options_make_every_request_sample() -> None:
+    greedy = step_times.parse_args(["--model", "x"])
+    assert step_times.sampling_params(greedy, max_tokens=4).is_greedy
+    args = step_times.parse_args(
+        ["--model", "x", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40"]
+    )
+    params = step_times.sampling_params(args, max_tokens=4)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.8, 0.9, 40, 0.0)
+    assert params.seed == args.seed and params.ignore_eos and params.max_tokens == 4
