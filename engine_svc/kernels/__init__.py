@@ -7,7 +7,8 @@ causal attention of a step's prompt chunks (float32 or bfloat16; `packed_linear`
 weights, multiplied in float32, for CPUs where torch's bfloat16 matmul is scalar; where it is
 oneDNN's, bfloat16 projections keep oneDNN's prepacked weights on AMX machines, run
 `bf16_pairs_linear` over weights packed in pairs of k by `pack_bf16_pairs` on AVX512-BF16 ones,
-and elsewhere `row_gemv` takes their single rows). All live in
+and elsewhere `row_gemv` takes their single rows); `argmax_rows` and `sample_rows` draw the
+sampler's tokens, greedy and random. All live in
 engine_svc/kernels/csrc and are used by the layers (engine_svc/layers) when the model runner
 turns them on. The build (engine_svc/kernels/build.py, `-march=native`) happens the first time
 they are needed, cached under ~/.cache/duoserve/kernels, one folder per CPU-feature set, so a

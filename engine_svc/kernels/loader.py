@@ -29,6 +29,7 @@ SOURCES = [
         "row_gemv.cpp",
         "bf16_pairs_linear.cpp",
         "argmax.cpp",
+        "sampling.cpp",
         "decode_layers.cpp",
         "capability.cpp",
     )

@@ -82,7 +82,7 @@ class ModelRunner:
         use_fused_ops(
             self.model, self.cpu_kernels, dtype, memory_budget_bytes, decode_loop=not enforce_eager
         )
-        self.sampler = Sampler(device, argmax_kernel=self.cpu_kernels)
+        self.sampler = Sampler(device, kernels=self.cpu_kernels)
         if device.type == "cpu":
             logger.info(
                 "%s", describe(dtype, spec.head_dim) if self.cpu_kernels else "CPU kernels off"

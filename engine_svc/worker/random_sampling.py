@@ -39,13 +39,23 @@ class RowFilters:
 
 
 def sample(
-    logits: torch.Tensor, filters: Sequence[RowFilters], uniforms: torch.Tensor
+    logits: torch.Tensor,
+    filters: Sequence[RowFilters],
+    uniforms: torch.Tensor,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """The sampled token of each row of `logits` ([rows, vocab], float32), each drawn with its
-    own uniform number in [0, 1) from `uniforms` ([rows])."""
+    """The sampled token of each row of `logits` ([rows, vocab]; the math in float32 for
+    float32, bfloat16 and float16 logits), each drawn with its own uniform number in [0, 1)
+    from `uniforms` ([rows]). With `kernel` (the CPU kernels are loaded), rows without
+    top-k on CPU draw in C++ (engine_svc/kernels/csrc/sampling.cpp) from the same
+    distribution, without the [rows, vocab] intermediates."""
     rows, vocab = logits.shape
-    temperatures = torch.tensor([f.temperature for f in filters], device=logits.device)
-    scaled = logits / temperatures.to(logits.dtype).unsqueeze(1)
+    in_kernel = (
+        kernel
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+    )
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     groups: dict[int, list[int]] = {}  # candidates a row takes: k, 0 for all, -1 for a nucleus
     for row, f in enumerate(filters):
@@ -53,22 +63,48 @@ def sample(
         groups.setdefault(-1 if k == 0 and f.top_p < 1.0 else k, []).append(row)
     for k, members in groups.items():
         if len(members) == rows:  # one group: no copies
-            index, part, u, chosen = None, scaled, uniforms, list(filters)
+            index, part, u, chosen = None, logits, uniforms, list(filters)
         else:
             index = torch.tensor(members, device=logits.device)
-            part, u = scaled.index_select(0, index), uniforms.index_select(0, index)
+            part, u = logits.index_select(0, index), uniforms.index_select(0, index)
             chosen = [filters[row] for row in members]
-        if k == 0:
-            picked = _draw_from_vocabulary(part, chosen, u)
+        if k <= 0 and in_kernel:
+            picked = _draw_in_kernel(part, chosen, u)
         elif k > 0:
+            # The top k of the logits are those of logits / temperature: only they are divided.
             values, ids = part.topk(k, dim=-1)
-            picked = _draw_from_candidates(torch.softmax(values, dim=-1), ids, chosen, u)
+            scaled = values / _column(chosen, "temperature", part.device)
+            picked = _draw_from_candidates(torch.softmax(scaled, dim=-1), ids, chosen, u)
         else:
-            picked = _draw_from_nucleus(part, chosen, u)
+            # float32 whatever the logits' dtype (bfloat16 promotes): no rounding of the quotient.
+            scaled = part / _column(chosen, "temperature", part.device)
+            if k == 0:
+                picked = _draw_from_vocabulary(scaled, chosen, u)
+            else:
+                picked = _draw_from_nucleus(scaled, chosen, u)
         if index is None:
             return picked
         tokens.index_copy_(0, index, picked)
     return tokens
+
+
+def _column(filters: list[RowFilters], field: str, device: torch.device) -> torch.Tensor:
+    values = [getattr(f, field) for f in filters]
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _draw_in_kernel(
+    logits: torch.Tensor, filters: list[RowFilters], u: torch.Tensor
+) -> torch.Tensor:
+    """Rows without top-k through sampling.cpp, which rejects as _draw_from_nucleus does, as
+    many rounds."""
+    device = logits.device
+    temperature, top_p, min_p = (
+        _column(filters, field, device).squeeze(1) for field in ("temperature", "top_p", "min_p")
+    )
+    return torch.ops.duoserve.sample_rows(
+        logits, temperature, top_p, min_p, u.double().contiguous(), NUCLEUS_ROUNDS
+    )
 
 
 def _draw_from_vocabulary(

@@ -32,11 +32,11 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, argmax_kernel: bool = False) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, kernels: bool = False) -> None:
         self.device = device
-        # The CPU kernels' argmax_rows (engine_svc/kernels/csrc/argmax.cpp): torch.max's
-        # indices, without its scalar loop.
-        self.argmax_kernel = argmax_kernel
+        # With the CPU kernels loaded: argmax_rows (engine_svc/kernels/csrc/argmax.cpp),
+        # torch.max's indices without its scalar loop, and sample_rows (sampling.cpp).
+        self.kernels = kernels
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=device)
@@ -49,7 +49,8 @@ class Sampler:
             # The argmax of the model's own dtype: widening bfloat16 to float32 changes no
             # value, so no index, and costs a copy of [rows, vocab] floats every step.
             return self._argmax(logits).tolist(), [None] * len(rows)
-        logits = logits.float()
+        if want_logprobs or any(r.banned_token_ids or r.params.has_penalties for r in rows):
+            logits = logits.float()  # else the temperature's division makes the float32 copy
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.banned_token_ids for r in rows):
             logits = _mask_banned(logits, rows)
@@ -73,7 +74,7 @@ class Sampler:
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum (torch.argmax's answer, NaN first where a row has one)."""
         if (
-            self.argmax_kernel
+            self.kernels
             and logits.dtype in (torch.float32, torch.bfloat16)
             and logits.stride(-1) == 1
         ):
@@ -129,9 +130,10 @@ class Sampler:
             for r in (rows[i] for i in random)
         ]
         if not greedy:  # all rows random: no copies
-            return sample(logits, filters, uniforms)
+            return sample(logits, filters, uniforms, self.kernels)
         index = torch.tensor(random, device=logits.device)
-        tokens.index_copy_(0, index, sample(logits.index_select(0, index), filters, uniforms))
+        drawn = sample(logits.index_select(0, index), filters, uniforms, self.kernels)
+        tokens.index_copy_(0, index, drawn)
         return tokens
 
 

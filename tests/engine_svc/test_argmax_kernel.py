@@ -61,7 +61,7 @@ def test_the_sampler_draws_with_the_kernel_what_it_draws_without() -> None:
     logits[2, 10] = logits[2, 400] = 20.0
     greedy = [SamplingRow(SamplingParams(temperature=0.0), 0, [1], []) for _ in range(8)]
     seeded = [SamplingRow(SamplingParams(temperature=0.7, seed=i), 0, [1], []) for i in range(8)]
-    with_kernel = Sampler(torch.device("cpu"), argmax_kernel=True)
+    with_kernel = Sampler(torch.device("cpu"), kernels=True)
     plain = Sampler(torch.device("cpu"))
     assert with_kernel(logits, greedy)[0] == plain(logits, greedy)[0]
     assert with_kernel(logits, greedy)[0][2] == 10

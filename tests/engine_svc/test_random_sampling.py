@@ -2,13 +2,15 @@
 everything, mask, softmax). Where one uniform number decides a row's token, checked without
 chance: the number swept over [0, 1), each token must come out for its probability's share of
 the sweep. Top-p's rejection draws, which reuse the number after a miss, are checked against
-many random draws."""
+many random draws. Each on both paths: torch's (any device) and, where the CPU kernels load,
+sampling.cpp's for the rows without top-k."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine_svc.kernels import cpu_kernels_available
 from engine_svc.worker import random_sampling
 from engine_svc.worker.random_sampling import RowFilters, inverse_cdf, sample
 
@@ -32,11 +34,21 @@ def reference_distribution(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(0, order, probs)
 
 
-def swept_frequencies(logits: torch.Tensor, f: RowFilters, draws: int) -> torch.Tensor:
+KERNEL = pytest.param(
+    True,
+    id="kernel",
+    marks=pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here"),
+)
+PATHS = pytest.mark.parametrize("kernel", [pytest.param(False, id="torch"), KERNEL])
+
+
+def swept_frequencies(
+    logits: torch.Tensor, f: RowFilters, draws: int, kernel: bool
+) -> torch.Tensor:
     """How often each token comes out of `sample` for uniforms (j + 0.5) / draws."""
     batch = logits.float().unsqueeze(0).expand(draws, -1).contiguous()
     uniforms = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
-    tokens = sample(batch, [f] * draws, uniforms.float())
+    tokens = sample(batch, [f] * draws, uniforms, kernel)
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
 
 
@@ -56,9 +68,10 @@ CASES = [
 ]
 
 
+@PATHS
 @pytest.mark.parametrize(("spread", "filters"), CASES)
 def test_one_number_a_row_follows_the_filtered_distribution(
-    spread: float, filters: RowFilters, monkeypatch: pytest.MonkeyPatch
+    spread: float, filters: RowFilters, kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Top-p rows without top-k go straight to the sort of their last resort (no rejection
     rounds), so one number decides every row here."""
@@ -66,22 +79,23 @@ def test_one_number_a_row_follows_the_filtered_distribution(
     vocab, draws = 3000, 4000
     logits = _logits(vocab, spread, seed=5)
     expected = reference_distribution(logits, filters)
-    got = swept_frequencies(logits, filters, draws)
+    got = swept_frequencies(logits, filters, draws, kernel)
     assert (got[expected == 0] == 0).all(), "a token outside the distribution was drawn"
     # Each token takes a run of the sweep within one step of its probability.
     assert (got - expected).abs().max().item() <= 1.0 / draws + 1e-6
 
 
+@PATHS
 @pytest.mark.parametrize(("spread", "filters"), [c for c in CASES if c[1].top_p < 1.0])
 def test_top_p_rejection_draws_follow_the_filtered_distribution(
-    spread: float, filters: RowFilters
+    spread: float, filters: RowFilters, kernel: bool
 ) -> None:
     vocab, draws = 1000, 40_000
     logits = _logits(vocab, spread, seed=6)
     expected = reference_distribution(logits, filters)
     batch = logits.float().unsqueeze(0).expand(draws, -1).contiguous()
     uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    tokens = sample(batch, [filters] * draws, uniforms)
+    tokens = sample(batch, [filters] * draws, uniforms, kernel)
     got = torch.bincount(tokens, minlength=vocab).double() / draws
     assert (got[expected == 0] == 0).all(), "a token outside the distribution was drawn"
     # Five standard deviations of a binomial count, per token.
@@ -89,15 +103,19 @@ def test_top_p_rejection_draws_follow_the_filtered_distribution(
     assert ((got - expected).abs() <= bound).all()
 
 
+@PATHS
 def test_top_p_rejection_reaches_its_last_resort_and_stays_exact(
-    monkeypatch: pytest.MonkeyPatch,
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One rejection round: rows that miss once sort the tokens above their pivot."""
     monkeypatch.setattr(random_sampling, "NUCLEUS_ROUNDS", 1)
-    test_top_p_rejection_draws_follow_the_filtered_distribution(0.05, RowFilters(1.0, 0, 0.5, 0.0))
+    test_top_p_rejection_draws_follow_the_filtered_distribution(
+        0.05, RowFilters(1.0, 0, 0.5, 0.0), kernel
+    )
 
 
-def test_a_row_draws_the_same_alone_and_in_a_mixed_batch() -> None:
+@PATHS
+def test_a_row_draws_the_same_alone_and_in_a_mixed_batch(kernel: bool) -> None:
     """Rows are grouped by their filters; a row's token depends only on its logits, its
     filters and its uniform number."""
     vocab = 2000
@@ -110,10 +128,10 @@ def test_a_row_draws_the_same_alone_and_in_a_mixed_batch() -> None:
         RowFilters(0.5, 7, 0.5, 0.0),
         RowFilters(1.0, 0, 0.3, 0.0),
     ]
-    uniforms = torch.tensor([0.1, 0.5, 0.9, 0.33, 0.999, 0.0])
-    together = sample(torch.stack(rows), filters, uniforms)
+    uniforms = torch.tensor([0.1, 0.5, 0.9, 0.33, 0.999, 0.0], dtype=torch.float64)
+    together = sample(torch.stack(rows), filters, uniforms, kernel)
     for i in range(len(rows)):
-        alone = sample(rows[i].unsqueeze(0), [filters[i]], uniforms[i : i + 1])
+        alone = sample(rows[i].unsqueeze(0), [filters[i]], uniforms[i : i + 1], kernel)
         assert alone.item() == together[i].item()
 
 
@@ -124,3 +142,15 @@ def test_zero_weights_are_never_picked_even_at_the_ends() -> None:
         assert weights[torch.arange(2), picked].gt(0).all(), (u, picked)
     assert inverse_cdf(weights, torch.tensor([0.0, 0.0])).tolist() == [1, 2]
     assert inverse_cdf(weights, torch.tensor([1.0 - 2.0**-24, 0.7])).tolist() == [3, 2]
+
+
+def test_the_kernel_takes_bfloat16_logits_as_their_float32_values() -> None:
+    """bfloat16 logits widen exactly: the kernel draws the same tokens from them as from
+    their float32 copy, where one number decides."""
+    if not cpu_kernels_available():
+        pytest.skip("no CPU kernels here")
+    logits = torch.stack([_logits(3000, 3.0, seed) for seed in range(8)]).bfloat16()
+    filters = [RowFilters(0.8, 0, 1.0, 0.0)] * 4 + [RowFilters(1.0, 0, 1.0, 0.05)] * 4
+    uniforms = torch.rand(8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = sample(logits, filters, uniforms, kernel=True)
+    assert got.tolist() == sample(logits.float(), filters, uniforms, kernel=True).tolist()
