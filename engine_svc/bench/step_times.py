@@ -7,9 +7,9 @@ head's time on the Zen 5 and sees only the thread it started on.
     python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
         [--temperature T [--top-p P] [--top-k K] [--min-p M]]
 
-Greedy unless --temperature is above 0: then every request samples, with those filters (the
-sampling part of a decode step is theirs). A step counts as a decode step when every request
-it runs takes one token; a step with any prompt chunk in it is a prompt step.
+Greedy unless --temperature is above 0: then every request samples, unseeded, with those
+filters (the sampling part of a decode step is theirs). A step counts as a decode step when
+every request it runs takes one token; a step with any prompt chunk in it is a prompt step.
 """
 
 from __future__ import annotations
@@ -148,7 +148,6 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        seed=args.seed if args.temperature > 0 else None,
         max_tokens=max_tokens,
         ignore_eos=True,
     )

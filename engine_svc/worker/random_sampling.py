@@ -113,7 +113,7 @@ def _draw_from_vocabulary(
     """Rows with neither top-k nor top-p: the softmax of every token, less min-p's."""
     probs = torch.softmax(scaled, dim=-1)
     if any(f.min_p > 0.0 for f in filters):
-        probs = _apply_min_p(probs, probs.amax(dim=-1, keepdim=True), filters)
+        probs = apply_min_p(probs, probs.amax(dim=-1, keepdim=True), filters)
     return inverse_cdf(probs, u)
 
 
@@ -200,11 +200,11 @@ def _draw_from_candidates(
         mass_above = probs.cumsum(dim=-1) - probs
         weights = weights.masked_fill(mass_above >= top_p, 0.0)
     if any(f.min_p > 0.0 for f in filters):
-        weights = _apply_min_p(weights, weights[:, :1], filters)
+        weights = apply_min_p(weights, weights[:, :1], filters)
     return ids.gather(1, inverse_cdf(weights, u).unsqueeze(1)).squeeze(1)
 
 
-def _apply_min_p(
+def apply_min_p(
     probs: torch.Tensor, most_likely: torch.Tensor, filters: list[RowFilters]
 ) -> torch.Tensor:
     min_p = torch.tensor([f.min_p for f in filters], device=probs.device).unsqueeze(1)

@@ -2,8 +2,9 @@
 
 Greedy rows take the argmax. Random rows go through temperature, top-k, top-p and min-p,
 then one uniform draw each picks from the distribution (random_sampling.py). A seeded request
-draws from a generator seeded by (seed, output index), so its tokens do not depend on what
-else is in the batch, on preemption, or on pipelining.
+races Exp(1) numbers from a generator seeded by (seed, output index) instead
+(seeded_sampling.py), so its tokens do not depend on what else is in the batch, on
+preemption, or on pipelining, even where the logits move in their last bits with the batch.
 Until a request has min_tokens output tokens, the tokens that would end it are masked out.
 Logprobs are those of the raw model output (before masks, penalties and temperature), as
 vLLM's default.
@@ -12,12 +13,14 @@ vLLM's default.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.random_sampling import RowFilters, sample
+from engine_svc.worker.seeded_sampling import race
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the seed space
 
@@ -105,36 +108,58 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Greedy rows' argmax and the random rows' draws, one uniform number each: from the
-        row's own generator where the request has a seed, else from the sampler's."""
+        """Greedy rows' argmax; unseeded random rows draw with one uniform number each from
+        the sampler's generator (random_sampling.py); seeded rows race with Exp(1) numbers
+        from their own generator, seeded by (seed, output index) (seeded_sampling.py)."""
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            tokens.index_copy_(0, index, self._argmax(logits.index_select(0, index)))
-        # float64: a top-p row may reuse what is left of its number after a rejection.
-        uniforms = torch.rand(
-            len(random), generator=self.generator, device=self.device, dtype=torch.float64
-        )
-        for position, i in enumerate(random):
-            row = rows[i]
-            if row.params.seed is not None:
-                seed = (row.params.seed * _SEED_MIX + row.output_index) % (2**63)
-                self._row_generator.manual_seed(seed)
-                uniforms[position] = torch.rand(
-                    (), generator=self._row_generator, device=self.device, dtype=torch.float64
-                )
-        filters = [
-            RowFilters(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p)
-            for r in (rows[i] for i in random)
+        unseeded = [
+            i for i, r in enumerate(rows) if not r.params.is_greedy and r.params.seed is None
         ]
-        if not greedy:  # all rows random: no copies
-            return sample(logits, filters, uniforms, self.kernels)
-        index = torch.tensor(random, device=logits.device)
-        drawn = sample(logits.index_select(0, index), filters, uniforms, self.kernels)
-        tokens.index_copy_(0, index, drawn)
+        seeded = [
+            i for i, r in enumerate(rows) if not r.params.is_greedy and r.params.seed is not None
+        ]
+        if greedy:
+            self._fill(tokens, logits, greedy, self._argmax)
+        if unseeded:
+            # float64: a top-p row may reuse what is left of its number after a rejection.
+            uniforms = torch.rand(
+                len(unseeded), generator=self.generator, device=self.device, dtype=torch.float64
+            )
+            filters = [_filters(rows[i]) for i in unseeded]
+            self._fill(
+                tokens, logits, unseeded, lambda part: sample(part, filters, uniforms, self.kernels)
+            )
+        if seeded:
+            noise = torch.empty(len(seeded), logits.shape[-1], device=self.device)
+            for position, i in enumerate(seeded):
+                row_seed = rows[i].params.seed or 0  # never None here: seeded rows only
+                self._row_generator.manual_seed(
+                    (row_seed * _SEED_MIX + rows[i].output_index) % (2**63)
+                )
+                noise[position].exponential_(generator=self._row_generator)
+            filters = [_filters(rows[i]) for i in seeded]
+            self._fill(tokens, logits, seeded, lambda part: race(part, filters, noise))
         return tokens
+
+    @staticmethod
+    def _fill(
+        tokens: torch.Tensor,
+        logits: torch.Tensor,
+        members: list[int],
+        draw: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """tokens[members] = draw(logits[members]), without copies where members are all rows."""
+        if len(members) == len(tokens):
+            tokens.copy_(draw(logits))
+            return
+        index = torch.tensor(members, device=logits.device)
+        tokens.index_copy_(0, index, draw(logits.index_select(0, index)))
+
+
+def _filters(row: SamplingRow) -> RowFilters:
+    p = row.params
+    return RowFilters(p.temperature, p.top_k, p.top_p, p.min_p)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

@@ -119,4 +119,4 @@ def test_sampling_options_make_every_request_sample() -> None:
     )
     params = step_times.sampling_params(args, max_tokens=4)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.8, 0.9, 40, 0.0)
-    assert params.seed == args.seed and params.ignore_eos and params.max_tokens == 4
+    assert params.seed is None and params.ignore_eos and params.max_tokens == 4
