@@ -6,7 +6,7 @@
 // cumulative sum and, for top-p, a masked sum: passes over 64 x 49,152 floats through
 // memory. In a bfloat16 batch on the 2-core Xeon with AMX (`python -m engine_svc.bench steps
 // --dtype bfloat16 --temperature 1.0`, then with --top-p 0.95 at temperature 0.8), sampling
-// took 7.6 and 12.1 ms a decode step; here 3.6 and 3.7. A thread reads each of its rows once
+// took 7.6 and 12.1 ms a decode step; here 3.0 and 3.0-3.2. A thread reads each of its rows once
 // for the maximum and once for the numerators exp((l - max) / T), which it keeps in a buffer
 // of the row's size (L2), and draws from that buffer.
 //
