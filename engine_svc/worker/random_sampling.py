@@ -30,7 +30,8 @@ NUCLEUS_ROUNDS = 4
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RowFilters:
-    """One row's sampling parameters, normalized: top_k 0 for all tokens."""
+    """One row's sampling parameters, as SamplingParams holds them (top_k 0 or -1: every
+    token)."""
 
     temperature: float
     top_k: int

@@ -86,45 +86,30 @@ struct Draw {
   double before;  // the cumulative weight before it
 };
 
-// The first index whose cumulative weight (above `pivot`) exceeds target; target must be
-// under total_above's total.
+// The first index whose cumulative weight (above `pivot`) exceeds target; target is under
+// total_above's total, but where rounding left it at or over, the last weight above the pivot.
 Draw walk(const float* e, int64_t padded, float pivot, double target) {
   const fvec p(pivot);
   double cumulative = 0.0;
-  int64_t last_positive = -1;
-  double before_last = 0.0;
   for (int64_t i = 0; i < padded; i += kLanes) {
     const double block = reduce_add(weights_at(e, i, p));
     if (cumulative + block > target) {
+      // Some weight in the block is above the pivot (block > target - cumulative >= 0).
+      Draw last{i, cumulative};
       double inside = cumulative;
       for (int64_t j = i; j < i + kLanes; ++j) {
-        const float w = e[j] > pivot ? e[j] : 0.0f;
-        if (w > 0.0f) {
-          if (inside + w > target) return {j, inside};
-          last_positive = j;
-          before_last = inside;
-        }
-        inside += w;
+        if (e[j] <= pivot) continue;
+        if (inside + e[j] > target) return {j, inside};
+        last = {j, inside};
+        inside += e[j];
       }
-      return {last_positive, before_last};  // the lanes summed a shade over the scalars
-    }
-    if (block > 0.0) {
-      for (int64_t j = i + kLanes - 1; j >= i; --j) {
-        if (e[j] > pivot) {
-          last_positive = j;
-          before_last = cumulative + block - e[j];
-          break;
-        }
-      }
+      return last;  // the lanes summed a shade over the scalars
     }
     cumulative += block;
   }
-  return {last_positive, before_last};
-}
-
-// The e more likely than e[index]: strictly above it.
-double mass_above(const float* e, int64_t padded, float value) {
-  return total_above(e, padded, value);
+  int64_t j = padded - 1;
+  while (j > 0 && e[j] <= pivot) --j;
+  return {j, cumulative - e[j]};
 }
 
 struct RowParams {
@@ -182,7 +167,7 @@ int64_t sample_row(const T* logits, int64_t n, const RowParams& row, int64_t max
     const Draw draw = walk(e, padded, pivot, target);
     const float chosen = e[draw.index];
     const bool in_nucleus = weight - chosen < row.top_p * sum ||
-                            mass_above(e, padded, chosen) < row.top_p * sum;
+                            total_above(e, padded, chosen) < row.top_p * sum;  // the e above it
     if (in_nucleus && chosen >= row.min_p) return draw.index;
     u = std::clamp((target - draw.before) / chosen, 0.0, 1.0 - 0x1p-53);
     pivot = chosen;
