@@ -5,10 +5,11 @@ of the runner (inputs, state). Timers, not the torch profiler: that one doubled 
 head's time on the Zen 5 and sees only the thread it started on.
 
     python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
-        [--temperature T [--top-p P] [--top-k K] [--min-p M]]
+        [--temperature T [--top-p P] [--top-k K] [--min-p M] [--sampling-seed S]]
 
-Greedy unless --temperature is above 0: then every request samples, unseeded, with those
-filters (the sampling part of a decode step is theirs). A step counts as a decode step when
+Greedy unless --temperature is above 0: then every request samples with those filters (the
+sampling part of a decode step is theirs), unseeded, or with --sampling-seed each seeded
+(seeded rows race: engine_svc/worker/seeded_sampling.py). A step counts as a decode step when
 every request it runs takes one token; a step with any prompt chunk in it is a prompt step.
 """
 
@@ -148,6 +149,7 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        seed=args.sampling_seed,
         max_tokens=max_tokens,
         ignore_eos=True,
     )
@@ -171,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0: every token")
     parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed every request's sampling"
+    )
     options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

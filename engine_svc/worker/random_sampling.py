@@ -89,9 +89,14 @@ def sample(
     return tokens
 
 
-def _column(filters: list[RowFilters], field: str, device: torch.device) -> torch.Tensor:
+def row_values(filters: Sequence[RowFilters], field: str, device: torch.device) -> torch.Tensor:
+    """One field of each row's filters, float32 [rows]."""
     values = [getattr(f, field) for f in filters]
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _column(filters: list[RowFilters], field: str, device: torch.device) -> torch.Tensor:
+    return row_values(filters, field, device).unsqueeze(1)
 
 
 def _draw_in_kernel(
@@ -101,7 +106,7 @@ def _draw_in_kernel(
     many rounds."""
     device = logits.device
     temperature, top_p, min_p = (
-        _column(filters, field, device).squeeze(1) for field in ("temperature", "top_p", "min_p")
+        row_values(filters, field, device) for field in ("temperature", "top_p", "min_p")
     )
     return torch.ops.duoserve.sample_rows(
         logits, temperature, top_p, min_p, u.double().contiguous(), NUCLEUS_ROUNDS

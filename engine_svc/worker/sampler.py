@@ -2,9 +2,9 @@
 
 Greedy rows take the argmax. Random rows go through temperature, top-k, top-p and min-p,
 then one uniform draw each picks from the distribution (random_sampling.py). A seeded request
-races Exp(1) numbers from a generator seeded by (seed, output index) instead
-(seeded_sampling.py), so its tokens do not depend on what else is in the batch, on
-preemption, or on pipelining, even where the logits move in their last bits with the batch.
+races Exp(1) numbers hashed from (seed, output index, token id) instead (seeded_sampling.py),
+so its tokens do not depend on what else is in the batch, on preemption, or on pipelining,
+even where the logits move in their last bits with the batch.
 Until a request has min_tokens output tokens, the tokens that would end it are masked out.
 Logprobs are those of the raw model output (before masks, penalties and temperature), as
 vLLM's default.
@@ -20,9 +20,7 @@ import torch
 from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.random_sampling import RowFilters, sample
-from engine_svc.worker.seeded_sampling import race
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the seed space
+from engine_svc.worker.seeded_sampling import race, race_key
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,7 +40,6 @@ class Sampler:
         self.kernels = kernels
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._row_generator = torch.Generator(device=device)
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -110,7 +107,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Greedy rows' argmax; unseeded random rows draw with one uniform number each from
         the sampler's generator (random_sampling.py); seeded rows race with Exp(1) numbers
-        from their own generator, seeded by (seed, output index) (seeded_sampling.py)."""
+        hashed from (seed, output index, token id) (seeded_sampling.py)."""
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         unseeded = [
@@ -131,15 +128,9 @@ class Sampler:
                 tokens, logits, unseeded, lambda part: sample(part, filters, uniforms, self.kernels)
             )
         if seeded:
-            noise = torch.empty(len(seeded), logits.shape[-1], device=self.device)
-            for position, i in enumerate(seeded):
-                row_seed = rows[i].params.seed or 0  # never None here: seeded rows only
-                self._row_generator.manual_seed(
-                    (row_seed * _SEED_MIX + rows[i].output_index) % (2**63)
-                )
-                noise[position].exponential_(generator=self._row_generator)
+            keys = [race_key(rows[i].params.seed or 0, rows[i].output_index) for i in seeded]
             filters = [_filters(rows[i]) for i in seeded]
-            self._fill(tokens, logits, seeded, lambda part: race(part, filters, noise))
+            self._fill(tokens, logits, seeded, lambda part: race(part, filters, keys, self.kernels))
         return tokens
 
     @staticmethod
