@@ -6,11 +6,14 @@ head's time on the Zen 5 and sees only the thread it started on.
 
     python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
         [--temperature T [--top-p P] [--top-k K] [--min-p M] [--sampling-seed S]]
+        [--logprobs N]
 
 Greedy unless --temperature is above 0: then every request samples with those filters (the
 sampling part of a decode step is theirs), unseeded, or with --sampling-seed each seeded
-(seeded rows race: engine_svc/worker/seeded_sampling.py). A step counts as a decode step when
-every request it runs takes one token; a step with any prompt chunk in it is a prompt step.
+(seeded rows race: engine_svc/worker/seeded_sampling.py). --logprobs N: every request
+wants its tokens' logprobs and its N most likely tokens' (in the sampling part too). A step
+counts as a decode step when every request it runs takes one token; a step with any prompt
+chunk in it is a prompt step.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
         top_k=args.top_k,
         min_p=args.min_p,
         seed=args.sampling_seed,
+        logprobs=args.logprobs,
         max_tokens=max_tokens,
         ignore_eos=True,
     )
@@ -176,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sampling-seed", type=int, default=None, help="seed every request's sampling"
     )
+    parser.add_argument("--logprobs", type=int, default=None, help="top logprobs a token")
     options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

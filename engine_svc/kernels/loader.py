@@ -30,6 +30,7 @@ SOURCES = [
         "bf16_pairs_linear.cpp",
         "argmax.cpp",
         "sampling.cpp",
+        "logprobs.cpp",
         "decode_layers.cpp",
         "capability.cpp",
     )

@@ -36,7 +36,8 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, kernels: bool = False) -> None:
         self.device = device
         # With the CPU kernels loaded: argmax_rows (engine_svc/kernels/csrc/argmax.cpp),
-        # torch.max's indices without its scalar loop, and sample_rows (sampling.cpp).
+        # torch.max's indices without its scalar loop; sample_rows and race_rows
+        # (sampling.cpp); token_logprobs (logprobs.cpp).
         self.kernels = kernels
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -49,9 +50,9 @@ class Sampler:
             # The argmax of the model's own dtype: widening bfloat16 to float32 changes no
             # value, so no index, and costs a copy of [rows, vocab] floats every step.
             return self._argmax(logits).tolist(), [None] * len(rows)
-        if want_logprobs or any(r.banned_token_ids or r.params.has_penalties for r in rows):
+        raw = logits  # the model's output, whose log-probabilities a request may want
+        if any(r.banned_token_ids or r.params.has_penalties for r in rows):
             logits = logits.float()  # else the temperature's division makes the float32 copy
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.banned_token_ids for r in rows):
             logits = _mask_banned(logits, rows)
         if any(r.params.has_penalties for r in rows):
@@ -63,10 +64,10 @@ class Sampler:
             tokens = self._sample_random(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
+        if want_logprobs:
             wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
             for i, entry in zip(
-                wanted, _token_logprobs(raw_logprobs, tokens, rows, wanted), strict=True
+                wanted, self._token_logprobs(raw, tokens, rows, wanted), strict=True
             ):
                 logprobs[i] = entry
         return token_list, logprobs
@@ -133,6 +134,44 @@ class Sampler:
             self._fill(tokens, logits, seeded, lambda part: race(part, filters, keys, self.kernels))
         return tokens
 
+    def _token_logprobs(
+        self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
+    ) -> list[TokenLogprobs]:
+        """The sampled token's logprob and rank, and the most likely tokens' logprobs, of the
+        rows in `wanted`, from the raw logits: with the CPU kernels in one C++ call
+        (engine_svc/kernels/csrc/logprobs.cpp), else log_softmax, one comparison and one
+        top-k for all of them."""
+        if len(wanted) == len(rows):
+            part, token_ids = raw, tokens
+        else:
+            index = torch.tensor(wanted, device=raw.device)
+            part, token_ids = raw.index_select(0, index), tokens.index_select(0, index)
+        most = max(rows[i].params.logprobs or 0 for i in wanted)
+        if self.kernels and part.dtype in (torch.float32, torch.bfloat16) and part.stride(-1) == 1:
+            chosen, ranks, values, ids = torch.ops.duoserve.token_logprobs(
+                part, token_ids.contiguous(), most
+            )
+        else:
+            row_logprobs = torch.log_softmax(part.float(), dim=-1)
+            chosen = row_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            ranks = (row_logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+            values, ids = row_logprobs.topk(most, dim=-1)
+        chosen_logprobs, chosen_ids, rank_list = chosen.tolist(), token_ids.tolist(), ranks.tolist()
+        top_values, top_ids = values.tolist(), ids.tolist()
+        entries = []
+        for position, i in enumerate(wanted):
+            num_top = rows[i].params.logprobs or 0
+            entries.append(
+                TokenLogprobs(
+                    token_id=chosen_ids[position],
+                    logprob=chosen_logprobs[position],
+                    rank=rank_list[position],
+                    top_token_ids=top_ids[position][:num_top],
+                    top_logprobs=top_values[position][:num_top],
+                )
+            )
+        return entries
+
     @staticmethod
     def _fill(
         tokens: torch.Tensor,
@@ -166,35 +205,3 @@ def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     return logits
-
-
-def _token_logprobs(
-    raw_logprobs: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
-) -> list[TokenLogprobs]:
-    """The sampled token's logprob and rank, and the most likely tokens' logprobs, of the
-    rows in `wanted`: one comparison and one top-k for all of them."""
-    index = torch.tensor(wanted, device=raw_logprobs.device)
-    row_logprobs = raw_logprobs.index_select(0, index)
-    token_ids = tokens.index_select(0, index)
-    chosen = row_logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = ((row_logprobs > chosen).sum(dim=-1) + 1).tolist()
-    chosen_logprobs, chosen_ids = chosen.squeeze(1).tolist(), token_ids.tolist()
-    most = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if most:
-        values, ids = row_logprobs.topk(most, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    entries = []
-    for position, i in enumerate(wanted):
-        num_top = rows[i].params.logprobs or 0
-        entries.append(
-            TokenLogprobs(
-                token_id=chosen_ids[position],
-                logprob=chosen_logprobs[position],
-                rank=ranks[position],
-                top_token_ids=top_ids[position][:num_top],
-                top_logprobs=top_values[position][:num_top],
-            )
-        )
-    return entries

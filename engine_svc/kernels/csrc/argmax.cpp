@@ -25,9 +25,6 @@ namespace {
 
 constexpr int64_t kMaxVocab = int64_t{1} << 24;
 
-inline fvec load_lanes(const float* p) { return fvec::loadu(p); }
-inline fvec load_lanes(const at::BFloat16* p) { return fvec(load_bf16(p)); }
-
 template <typename T>
 int64_t first_nan(const T* row, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {

@@ -39,19 +39,6 @@
 namespace duoserve {
 namespace {
 
-inline fvec load_lanes(const float* p) { return fvec::loadu(p); }
-inline fvec load_lanes(const at::BFloat16* p) { return fvec(load_bf16(p)); }
-
-template <typename T>
-float row_max(const T* row, int64_t n) {
-  fvec best(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) best = at::vec::maximum(best, load_lanes(row + i));
-  float result = reduce_max(best);
-  for (; i < n; ++i) result = std::max(result, static_cast<float>(row[i]));
-  return result;
-}
-
 // e[i] = exp((row[i] - max) / T), or 0 under `floor`; n a multiple of kLanes in e (the tail
 // padded with zeros).
 template <typename T>

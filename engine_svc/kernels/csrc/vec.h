@@ -26,8 +26,10 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace duoserve {
@@ -230,6 +232,21 @@ inline void store_bf16(fvec rounded, at::BFloat16* p, int64_t n) {
   __at_align__ at::BFloat16 lanes[kLanes];
   store_bf16(rounded, lanes);
   std::memcpy(p, lanes, n * sizeof(at::BFloat16));
+}
+
+// A vector of a row of logits, float32 or bfloat16, as float32; a row's largest value (its
+// last, partial vector one value at a time).
+inline fvec load_lanes(const float* p) { return fvec::loadu(p); }
+inline fvec load_lanes(const at::BFloat16* p) { return fvec(load_bf16(p)); }
+
+template <typename T>
+float row_max(const T* row, int64_t n) {
+  fvec best(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) best = at::vec::maximum(best, load_lanes(row + i));
+  float result = reduce_max(best);
+  for (; i < n; ++i) result = std::max(result, static_cast<float>(row[i]));
+  return result;
 }
 
 // silu(g) = g / (1 + exp(-g)) as torch's CPU kernel computes it, with ATen's vectorized exp
