@@ -6,14 +6,14 @@ head's time on the Zen 5 and sees only the thread it started on.
 
     python -m engine_svc.bench steps --model DIR [--dtype bfloat16] [--rounds 2] [--isa avx2]
         [--temperature T [--top-p P] [--top-k K] [--min-p M] [--sampling-seed S]]
-        [--logprobs N]
+        [--logprobs N] [--repetition-penalty R] [--frequency-penalty F] [--presence-penalty P]
 
 Greedy unless --temperature is above 0: then every request samples with those filters (the
 sampling part of a decode step is theirs), unseeded, or with --sampling-seed each seeded
 (seeded rows race: engine_svc/worker/seeded_sampling.py). --logprobs N: every request
-wants its tokens' logprobs and its N most likely tokens' (in the sampling part too). A step
-counts as a decode step when every request it runs takes one token; a step with any prompt
-chunk in it is a prompt step.
+wants its tokens' logprobs and its N most likely tokens'; the penalties apply to every
+request (both in the sampling part too). A step counts as a decode step when every request
+it runs takes one token; a step with any prompt chunk in it is a prompt step.
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ def sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams
         min_p=args.min_p,
         seed=args.sampling_seed,
         logprobs=args.logprobs,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         max_tokens=max_tokens,
         ignore_eos=True,
     )
@@ -181,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sampling-seed", type=int, default=None, help="seed every request's sampling"
     )
     parser.add_argument("--logprobs", type=int, default=None, help="top logprobs a token")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
     options.add_isa_option(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
