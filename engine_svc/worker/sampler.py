@@ -134,7 +134,12 @@ class Sampler:
             index = torch.tensor(wanted, device=raw.device)
             part, token_ids = raw.index_select(0, index), tokens.index_select(0, index)
         most = max(rows[i].params.logprobs or 0 for i in wanted)
-        if self.kernels and part.dtype in (torch.float32, torch.bfloat16) and part.stride(-1) == 1:
+        if (
+            self.kernels
+            and part.device.type == "cpu"
+            and part.dtype in (torch.float32, torch.bfloat16)
+            and part.stride(-1) == 1
+        ):
             chosen, ranks, values, ids = torch.ops.duoserve.token_logprobs(
                 part, token_ids.contiguous(), most
             )
