@@ -8,10 +8,13 @@ import msgspec
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Temperatures under this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The knobs of one request. The defaults are vLLM's (greedy only when temperature is 0)."""
+    """The knobs of one request. The defaults are vLLM's; as there, a temperature under
+    GREEDY_BELOW is greedy (1 / T would overflow the sampler's float32 arithmetic)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -34,7 +37,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def constraint(self) -> tuple[str, str] | None:

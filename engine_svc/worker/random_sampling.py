@@ -160,6 +160,9 @@ def _draw_from_nucleus(
         u[pending] = u_within[missed]
     for row in pending.tolist():
         above = (probs[row] > pivot[row]).nonzero().squeeze(1)
+        if len(above) == 0:  # NaN probabilities (a broken model's): nothing to draw from
+            picked[row] = probs[row].argmax()
+            continue
         ranked, order = probs[row, above].sort(descending=True)
         candidates = (ranked.unsqueeze(0), above[order].unsqueeze(0))
         picked[row] = _draw_from_candidates(*candidates, [filters[row]], u[row : row + 1])[0]
@@ -200,18 +203,27 @@ def _draw_from_candidates(
 ) -> torch.Tensor:
     """probs: [rows, k] in descending order, the candidates' probabilities after top-k; ids:
     their token ids. Top-p and min-p keep a prefix of them; one is drawn."""
-    top_p = torch.tensor([f.top_p for f in filters], device=probs.device).unsqueeze(1)
-    weights = probs
-    if bool((top_p < 1.0).any()):
-        mass_above = probs.cumsum(dim=-1) - probs
-        weights = weights.masked_fill(mass_above >= top_p, 0.0)
-    if any(f.min_p > 0.0 for f in filters):
-        weights = apply_min_p(weights, weights[:, :1], filters)
+    weights = kept_candidates(probs, filters)
     return ids.gather(1, inverse_cdf(weights, u).unsqueeze(1)).squeeze(1)
 
 
+def kept_candidates(probs: torch.Tensor, filters: Sequence[RowFilters]) -> torch.Tensor:
+    """The weights top-p and min-p leave of candidates in descending order (probs: [rows, k]):
+    top-p a prefix, each token whose mass ranked above it is under top_p (a row at top_p 1
+    keeps every candidate, however its float32 sums round, so its draw does not depend on
+    the rows beside it); min-p those at least min_p times the first."""
+    weights = probs
+    if any(f.top_p < 1.0 for f in filters):
+        top_p = row_values(filters, "top_p", probs.device).unsqueeze(1)
+        mass_above = probs.cumsum(dim=-1) - probs
+        weights = weights.masked_fill((mass_above >= top_p) & (top_p < 1.0), 0.0)
+    if any(f.min_p > 0.0 for f in filters):
+        weights = apply_min_p(weights, probs[:, :1], filters)
+    return weights
+
+
 def apply_min_p(
-    probs: torch.Tensor, most_likely: torch.Tensor, filters: list[RowFilters]
+    probs: torch.Tensor, most_likely: torch.Tensor, filters: Sequence[RowFilters]
 ) -> torch.Tensor:
     min_p = torch.tensor([f.min_p for f in filters], device=probs.device).unsqueeze(1)
     return probs.masked_fill(probs < min_p * most_likely, 0.0)
@@ -230,4 +242,5 @@ def inverse_cdf(
     target = torch.minimum(
         u.to(cdf.dtype).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
     )
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # A row of NaN (a broken model's) crosses nothing: its last index, not one past it.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)

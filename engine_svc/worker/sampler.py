@@ -179,9 +179,14 @@ class Sampler:
         tokens.index_copy_(0, index, draw(logits.index_select(0, index)))
 
 
+# The smallest top_p the filters take: a positive top_p that rounds to 0 in float32 would
+# keep no token, where the most likely one always stays.
+_TOP_P_FLOOR = float(torch.finfo(torch.float32).tiny)
+
+
 def _filters(row: SamplingRow) -> RowFilters:
     p = row.params
-    return RowFilters(p.temperature, p.top_k, p.top_p, p.min_p)
+    return RowFilters(p.temperature, p.top_k, max(p.top_p, _TOP_P_FLOOR), p.min_p)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

@@ -28,6 +28,7 @@ KERNEL_TESTS = [
     "tests/engine_svc/test_random_sampling.py",
     "tests/engine_svc/test_seeded_sampling.py",
     "tests/engine_svc/test_logprobs_kernel.py",
+    "tests/engine_svc/test_degenerate_sampling.py",
     "tests/engine_svc/test_decode_layers.py",
 ]
 # Greedy outputs against Hugging Face with the level's kernels: the tiny model (packed

@@ -1,5 +1,5 @@
 """The batched penalties give, bit for bit, what a row-by-row loop over vLLM's definitions
-gives: repetition on the prompt and output tokens, then frequency and presence on the
+gives on CPU: repetition on the prompt and output tokens, then frequency and presence on the
 output's."""
 
 from __future__ import annotations

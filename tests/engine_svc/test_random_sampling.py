@@ -154,3 +154,14 @@ def test_the_kernel_takes_bfloat16_logits_as_their_float32_values() -> None:
     uniforms = torch.rand(8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     got = sample(logits, filters, uniforms, kernel=True)
     assert got.tolist() == sample(logits.float(), filters, uniforms, kernel=True).tolist()
+
+
+def test_a_row_at_top_p_1_keeps_every_candidate_beside_rows_that_filter() -> None:
+    """Float32 sums that reach 1 before the last candidate must not cut a top_p = 1 row's
+    tail because another row in its group filters."""
+    probs = torch.tensor([[1.0, 1e-8, 1e-8, 1e-8], [0.5, 0.3, 0.1, 0.1]])
+    filters = [RowFilters(1.0, 4, 1.0, 0.0), RowFilters(1.0, 4, 0.5, 0.0)]
+    kept = random_sampling.kept_candidates(probs, filters)
+    assert torch.equal(kept[0], probs[0])
+    assert kept[1].tolist() == [0.5, 0.0, 0.0, 0.0]
+    assert torch.equal(random_sampling.kept_candidates(probs[:1], filters[:1]), probs[:1])

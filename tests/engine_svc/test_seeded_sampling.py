@@ -111,3 +111,14 @@ def test_the_kernel_race_picks_torch_s_tokens(kernel: bool, dtype: torch.dtype) 
     filters = [FILTERS[r % len(FILTERS)] for r in range(rows)]
     keys = _keys(rows, seed=11)
     assert race(logits, filters, keys, kernel).tolist() == race(logits, filters, keys).tolist()
+
+
+def test_the_smallest_numbers_have_float32_resolution() -> None:
+    """The E that win races are the small ones: over 2,000 keys of a 49,152-token row, the
+    smallest E is never shared by two tokens (a 24-bit u tied it in about 0.26% of rows)."""
+    ids = torch.arange(49152)
+    keys = key_tensor([race_key(21, index) for index in range(2000)])
+    noise = exponential_noise(keys.unsqueeze(1), ids)
+    smallest = noise.min(dim=1, keepdim=True).values
+    assert ((noise == smallest).sum(dim=1) == 1).all()
+    assert torch.isfinite(noise).all() and (noise > 0).all()

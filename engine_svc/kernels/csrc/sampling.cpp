@@ -69,6 +69,25 @@ double total_above(const float* e, int64_t padded, float pivot) {
   return total;
 }
 
+// A row whose numerators do not sum to a positive finite number (a logit of +inf or NaN,
+// every logit -inf) draws nothing: its first largest logit stands in, NaN aside (0 if every
+// logit is NaN or -inf).
+template <typename T>
+int64_t degenerate_row(const T* row, int64_t n) {
+  int64_t best = 0;
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (v > most) {  // NaN never is
+      most = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+inline bool drawable(double sum) { return sum > 0.0 && std::isfinite(sum); }
+
 struct Draw {
   int64_t index;
   double before;  // the cumulative weight before it
@@ -146,6 +165,7 @@ int64_t sample_row(const T* logits, int64_t n, const RowParams& row, int64_t max
   fill_numerators(logits, n, row_max(logits, n), row.inv_temperature, nucleus ? 0.0f : row.min_p,
                   e);
   const double sum = total_above(e, padded, 0.0f);
+  if (!drawable(sum)) return degenerate_row(logits, n);
   double u = row.u;
   if (!nucleus) return walk(e, padded, 0.0f, u * sum).index;
   float pivot = 0.0f;
@@ -166,7 +186,7 @@ int64_t sample_row(const T* logits, int64_t n, const RowParams& row, int64_t max
 
 // Seeded rows: the exponential race of engine_svc/worker/seeded_sampling.py, each token's
 // Exp(1) number E hashed from the row's key and the token id there and here alike (the
-// integer steps bit for bit; -log(u) through the vectorized log torch's own CPU log runs):
+// integer steps bit for bit; -log1p(-w) through the vectorized log1p torch's CPU log1p runs):
 // the winner is the largest e / E among the kept tokens. Filling a row's 49,152 numbers from
 // a seeded torch.Generator took 0.88 ms; here the hash, the logarithm and the ratios are one
 // pass over the row in L2.
@@ -178,6 +198,9 @@ inline uint32_t mix32(uint32_t x) {  // lowbias32
   return x ^ (x >> 16);
 }
 
+// The largest w (the float32 below 1): E = -log1p(-w) stays finite.
+constexpr float kMaxW = 1.0f - 0x1p-24f;
+
 // r[i] = e[i] / E(key, i) over the padded row (0 where e is 0).
 void fill_ratios(const float* e, int64_t padded, uint64_t key, float* r) {
   const uint32_t low = static_cast<uint32_t>(key), high = static_cast<uint32_t>(key >> 32);
@@ -186,9 +209,9 @@ void fill_ratios(const float* e, int64_t padded, uint64_t key, float* r) {
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j) {
       const uint32_t h = mix32(mix32(static_cast<uint32_t>(i + j) ^ low) ^ high);
-      u[j] = static_cast<float>(2 * (h >> 9) + 1) * 0x1p-24f;
+      u[j] = -std::min((static_cast<float>(h) + 0.5f) * 0x1p-32f, kMaxW);  // -w
     }
-    const fvec noise = fvec(0.0f) - fvec::loadu(u).log();
+    const fvec noise = fvec(0.0f) - fvec::loadu(u).log1p();
     (fvec::loadu(e + i) / noise).store(r + i);
   }
 }
@@ -204,7 +227,7 @@ int64_t race_winner(const float* e, const float* r, int64_t padded, float pivot)
   for (int64_t i = 0; i < padded; ++i) {
     if (e[i] > pivot && r[i] == most) return i;
   }
-  return 0;  // only where a NaN in the logits made every comparison false
+  return 0;  // only where a NaN made every comparison false (drawable rows have none)
 }
 
 // The race's last resort: the tokens above the pivot in order, top-p's prefix and min-p's
@@ -240,9 +263,10 @@ int64_t race_row(const T* logits, int64_t n, const RowParams& row, uint64_t key,
   const bool nucleus = row.top_p < 1.0f;
   fill_numerators(logits, n, row_max(logits, n), row.inv_temperature, nucleus ? 0.0f : row.min_p,
                   e);
+  const double sum = total_above(e, padded, 0.0f);
+  if (!drawable(sum)) return degenerate_row(logits, n);
   fill_ratios(e, padded, key, r);
   if (!nucleus) return race_winner(e, r, padded, 0.0f);
-  const double sum = total_above(e, padded, 0.0f);
   float pivot = 0.0f;
   double weight = sum;  // of the e above the pivot
   for (int64_t round = 0; round < max_rounds; ++round) {
