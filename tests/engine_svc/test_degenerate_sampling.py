@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_svc.kernels import cpu_kernels_available
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.sampler import Sampler, SamplingRow
 from tests.engine_svc.test_random_sampling import PATHS
@@ -53,3 +54,16 @@ def test_rows_of_inf_or_nan_still_get_a_token(
     assert all(0 <= token < vocab for token in tokens)
     if kernel:  # the kernels' stand-in: the first largest logit, NaN aside
         assert tokens[:2] == [7, 0]
+
+
+def test_the_kernels_called_with_top_p_0_answer_the_most_likely_token() -> None:
+    """The sampler floors top_p; the operators themselves still answer when called with 0."""
+    if not cpu_kernels_available():
+        pytest.skip("no CPU kernels here")
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3))
+    ones, zeros = torch.ones(3), torch.zeros(3)
+    sampled = torch.ops.duoserve.sample_rows(
+        logits, ones, zeros, zeros, torch.full((3,), 0.5, dtype=torch.float64), 2
+    )
+    raced = torch.ops.duoserve.race_rows(logits, ones, zeros, zeros, torch.arange(3), 2)
+    assert sampled.tolist() == raced.tolist() == logits.argmax(dim=-1).tolist()

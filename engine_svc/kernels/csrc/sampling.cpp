@@ -132,6 +132,7 @@ int64_t draw_sorted(const float* e, int64_t n, float pivot, double sum, const Ro
   for (int64_t i = 0; i < n; ++i) {
     if (e[i] > pivot) above.push_back(i);
   }
+  if (above.empty()) return std::max_element(e, e + n) - e;  // top_p 0: nothing is kept
   std::stable_sort(above.begin(), above.end(), [&](int64_t a, int64_t b) { return e[a] > e[b]; });
   double mass = 0.0, kept_total = 0.0;
   std::vector<double> kept;
@@ -238,6 +239,7 @@ int64_t race_sorted(const float* e, const float* r, int64_t n, float pivot, doub
   for (int64_t i = 0; i < n; ++i) {
     if (e[i] > pivot) above.push_back(i);
   }
+  if (above.empty()) return std::max_element(e, e + n) - e;  // top_p 0: nothing is kept
   std::stable_sort(above.begin(), above.end(), [&](int64_t a, int64_t b) { return e[a] > e[b]; });
   double mass = 0.0;
   int64_t winner = above.front();
