@@ -11,7 +11,10 @@ from engine_svc.kernels import cpu_kernels_available
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.sampler import Sampler, SamplingRow
 
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here")
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert cpu_kernels_available(), "the CPU kernels did not build: see the warning logged"
 
 
 def _logits(rows: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
