@@ -51,12 +51,7 @@ def sample(
     top-k on CPU draw in C++ (engine_svc/kernels/csrc/sampling.cpp) from the same
     distribution, without the [rows, vocab] intermediates."""
     rows, vocab = logits.shape
-    in_kernel = (
-        kernel
-        and logits.device.type == "cpu"
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.stride(-1) == 1
-    )
+    in_kernel = kernel_takes(logits, kernel)
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     groups: dict[int, list[int]] = {}  # candidates a row takes: k, 0 for all, -1 for a nucleus
     for row, f in enumerate(filters):
@@ -89,6 +84,29 @@ def sample(
     return tokens
 
 
+def kernel_takes(logits: torch.Tensor, kernel: bool) -> bool:
+    """Whether the CPU kernels' row operators (sampling.cpp, logprobs.cpp) take `logits`:
+    the kernels loaded, CPU, float32 or bfloat16, contiguous rows."""
+    return (
+        kernel
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+    )
+
+
+def filter_columns(
+    filters: Sequence[RowFilters], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature, top_p and min_p of each row, float32 [rows] each, as the kernels take
+    them."""
+    return (
+        row_values(filters, "temperature", device),
+        row_values(filters, "top_p", device),
+        row_values(filters, "min_p", device),
+    )
+
+
 def row_values(filters: Sequence[RowFilters], field: str, device: torch.device) -> torch.Tensor:
     """One field of each row's filters, float32 [rows]."""
     values = [getattr(f, field) for f in filters]
@@ -104,12 +122,8 @@ def _draw_in_kernel(
 ) -> torch.Tensor:
     """Rows without top-k through sampling.cpp, which rejects as _draw_from_nucleus does, as
     many rounds."""
-    device = logits.device
-    temperature, top_p, min_p = (
-        row_values(filters, field, device) for field in ("temperature", "top_p", "min_p")
-    )
     return torch.ops.duoserve.sample_rows(
-        logits, temperature, top_p, min_p, u.double().contiguous(), NUCLEUS_ROUNDS
+        logits, *filter_columns(filters, logits.device), u.double().contiguous(), NUCLEUS_ROUNDS
     )
 
 

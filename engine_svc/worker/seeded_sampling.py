@@ -29,7 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_svc.worker.random_sampling import RowFilters, apply_min_p, kept_candidates, row_values
+from engine_svc.worker.random_sampling import (
+    RowFilters,
+    apply_min_p,
+    filter_columns,
+    kept_candidates,
+    kernel_takes,
+    row_values,
+)
 
 # Rounds of the race a top-p or min-p row runs before it sorts the tokens above its pivot.
 RACE_ROUNDS = 32
@@ -77,12 +84,7 @@ def race(
     rows race in sampling.cpp, else one at a time here."""
     rows, vocab = logits.shape
     device = logits.device
-    in_kernel = (
-        kernel
-        and device.type == "cpu"
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.stride(-1) == 1
-    )
+    in_kernel = kernel_takes(logits, kernel)
     all_keys = key_tensor(keys, device)
     tokens = torch.empty(rows, dtype=torch.long, device=device)
     groups: dict[int, list[int]] = {}  # top-k's k, 0 for the whole vocabulary
@@ -96,11 +98,8 @@ def race(
         if k > 0:
             picked = _race_candidates(part, chosen, part_keys, k)
         elif in_kernel:
-            temperature, top_p, min_p = (
-                row_values(chosen, field, device) for field in ("temperature", "top_p", "min_p")
-            )
             picked = torch.ops.duoserve.race_rows(
-                part, temperature, top_p, min_p, part_keys, RACE_ROUNDS
+                part, *filter_columns(chosen, device), part_keys, RACE_ROUNDS
             )
         else:
             ids = torch.arange(vocab, device=device)

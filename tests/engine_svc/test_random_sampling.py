@@ -52,6 +52,16 @@ def swept_frequencies(
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
 
 
+def assert_draws_follow(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Random draws `tokens` land only where `expected` (a distribution over the vocabulary)
+    has mass, each token's count within five standard deviations of a binomial count."""
+    draws = len(tokens)
+    got = torch.bincount(tokens, minlength=len(expected)).double() / draws
+    assert (got[expected == 0] == 0).all(), "a token outside the distribution was drawn"
+    bound = 5 * (expected * (1 - expected) / draws).sqrt() + 1.0 / draws
+    assert ((got - expected).abs() <= bound).all()
+
+
 def _logits(vocab: int, spread: float, seed: int) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * spread
 
@@ -96,11 +106,7 @@ def test_top_p_rejection_draws_follow_the_filtered_distribution(
     batch = logits.float().unsqueeze(0).expand(draws, -1).contiguous()
     uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     tokens = sample(batch, [filters] * draws, uniforms, kernel)
-    got = torch.bincount(tokens, minlength=vocab).double() / draws
-    assert (got[expected == 0] == 0).all(), "a token outside the distribution was drawn"
-    # Five standard deviations of a binomial count, per token.
-    bound = 5 * (expected * (1 - expected) / draws).sqrt() + 1.0 / draws
-    assert ((got - expected).abs() <= bound).all()
+    assert_draws_follow(tokens, expected)
 
 
 @PATHS
