@@ -30,6 +30,7 @@ KERNEL_TESTS = [
     "tests/engine_svc/test_logprobs_kernel.py",
     "tests/engine_svc/test_degenerate_sampling.py",
     "tests/engine_svc/test_decode_layers.py",
+    "tests/engine_svc/test_panel_stealing.py",
 ]
 # Greedy outputs against Hugging Face with the level's kernels: the tiny model (packed
 # projections, no vectorized attention at head_dim 16) and the default model (all paths).

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "stealing.h"
 
 namespace duoserve {
 namespace {
@@ -201,10 +202,12 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
   const int64_t lines = panel_size * 2 / 64;
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
   const int64_t share = (lines + tiles - 1) / tiles;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  parallel_stealing(blocks, [&](StealingCursor& cursor) {
+    for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
       const at::BFloat16* panel = packed + b * panel_size;
-      const char* next = b + 1 < end ? reinterpret_cast<const char*>(panel + panel_size) : nullptr;
+      const char* next = cursor.continues_with(b + 1)
+                             ? reinterpret_cast<const char*>(panel + panel_size)
+                             : nullptr;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * kMaxRows;
         const int64_t prefetch =
@@ -317,19 +320,21 @@ void amx_gemm(const at::BFloat16* a, int64_t lda, int64_t m, int64_t m_padded,
               const at::BFloat16* packed, int64_t blocks, int64_t pairs, const float* bias,
               const Output& out) {
   const int64_t panel_size = pairs * kPairsBlock * 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    __at_align__ float sums[2 * kTileRows * 16];
-    load_tile_config();  // the tile state is each thread's own
-    for (int64_t r0 = 0; r0 < m_padded; r0 += kChunkRows) {
-      const int64_t rows = std::min(kChunkRows, m - r0);
-      const int64_t rows_padded = std::min(kChunkRows, m_padded - r0);
-      for (int64_t b = begin; b < end; ++b) {
+  // A region for each chunk of rows, its panels split between the threads the same way each
+  // time, so a thread's panels pass by the chunk in its L2.
+  for (int64_t r0 = 0; r0 < m_padded; r0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, m - r0);
+    const int64_t rows_padded = std::min(kChunkRows, m_padded - r0);
+    parallel_stealing(blocks, [&](StealingCursor& cursor) {
+      __at_align__ float sums[2 * kTileRows * 16];
+      load_tile_config();  // the tile state is each thread's own
+      for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
         amx_panel(a + r0 * lda, lda, rows, rows_padded, packed + b * panel_size, pairs,
                   bias != nullptr ? bias + b * kPairsBlock : nullptr, out, r0, b, sums);
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
 }
 
 // Whether AMX takes these rows: enough of them, and k in whole tiles.

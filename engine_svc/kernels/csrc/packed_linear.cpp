@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "gemm_tile.h"
+#include "stealing.h"
 
 namespace duoserve {
 namespace {
@@ -255,8 +256,8 @@ template <int kVecs, typename W>
 void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const float* bias,
           W* c, int64_t n) {
   constexpr int64_t block = kVecs * kLanes;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  parallel_stealing(num_blocks, [&](StealingCursor& cursor) {
+    for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
       gemv_panel<kVecs>(a, weights + b * panel_size<W>(k, block), k,
                         bias != nullptr ? bias + b * block : nullptr, c + b * block,
                         std::min(block, n - b * block));
@@ -366,10 +367,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   float* c_ptr = out.data_ptr<float>();
   const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
   if (m <= kMaxRegisterTileRows && vectors >= 2 && vectors <= kPanelVectors) {
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
+    parallel_stealing(packed.size(0), [&](StealingCursor& cursor) {
+      for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
         const float* panel = b_ptr + b * k * block;
-        const float* next = b + 1 < end ? panel + k * block : nullptr;
+        const float* next = cursor.continues_with(b + 1) ? panel + k * block : nullptr;
         const float* panel_bias = bias_ptr != nullptr ? bias_ptr + b * block : nullptr;
         const int64_t cols = std::min(block, n - b * block);
         panel_rows_any(vectors, a_ptr, lda, m, panel, k, panel_bias, c_ptr + b * block, n, cols,
