@@ -103,7 +103,7 @@ def test_each_grammar_compiles_once(tiny_model_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, choice=CHOICES)
     llm.generate(["a", "b", "c"], params)
     llm.generate(["d"], params)
-    assert len(llm.engine_core.structured_output.compiler._cache) == 1
+    assert llm.engine_core.structured_output.compiler.num_grammars == 1
 
 
 @pytest.mark.parametrize(
