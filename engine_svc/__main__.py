@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from engine_svc.config import EngineConfig
+from engine_svc.config import GRAMMAR_CACHE_BYTES, EngineConfig
 from engine_svc.distributed.layout import ParallelLayout
 from engine_svc.models.model_spec import load_model_spec
 from engine_svc.models.sharding import check_divisible
@@ -19,6 +19,7 @@ from shared.grpc_auth import AuthConfigError, TokenSet
 from shared.grpc_tls import TLSConfigError, add_server_arguments, server_tls
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         "once): fewer, larger messages, less CPU per token (default: %(default)s)",
     )
     add(
+        "--grammar-cache-mib",
+        type=float,
+        default=GRAMMAR_CACHE_BYTES / MiB,
+        help="compiled structured-output grammars kept for requests that repeat a constraint, "
+        "in MiB, the least recently used dropped first (default: %(default)g)",
+    )
+    add(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -147,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     memory = args.kv_cache_memory_gib
+    if args.grammar_cache_mib < 0:  # named as the flag is, not as the config's bytes
+        raise InvalidRequestError("grammar_cache_mib", "must be >= 0")
     return EngineConfig(
         model=model_dir,
         dtype=args.dtype,
@@ -159,6 +169,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
         stream_interval=args.stream_interval,
+        grammar_cache_bytes=int(args.grammar_cache_mib * MiB),
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=None if memory is None else int(memory * GiB),
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -8,6 +8,7 @@ from typing import Literal
 from shared.errors import InvalidRequestError
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,10 @@ class EngineConfig:
     # Served streams wake their consumer every this many tokens (the first and the last at
     # once): fewer, larger messages (engine_svc/client/output_stream.py).
     stream_interval: int = 1
+    # Compiled structured-output grammars kept for requests that repeat a constraint, at most
+    # this many bytes, the least recently asked for dropped first (vLLM keeps 512 MiB:
+    # VLLM_XGRAMMAR_CACHE_MB). 0: none kept between requests.
+    grammar_cache_bytes: int = GRAMMAR_CACHE_BYTES
     cpu_kernels: bool = True  # C++ decode attention on CPU (engine_svc/kernels) when it builds
     # vLLM's name: every step through the model's Python loop over its layers, never the
     # C++ loop of decode steps (engine_svc/models/decode_layers.py), as vLLM skips its
@@ -62,6 +67,7 @@ class EngineConfig:
             _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]")
         _check(self.stream_interval >= 1, "stream_interval", "must be >= 1")
+        _check(self.grammar_cache_bytes >= 0, "grammar_cache_bytes", "must be >= 0")
         _check(self.max_concurrent_batches >= 1, "max_concurrent_batches", "must be >= 1")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")

@@ -77,7 +77,10 @@ class EngineCore:
             )
         )
         self.structured_output = StructuredOutputManager(
-            config.model, self.spec.vocab_size, list(self.spec.eos_token_ids)
+            config.model,
+            self.spec.vocab_size,
+            list(self.spec.eos_token_ids),
+            config.grammar_cache_bytes,
         )
         self.batch_queue: deque[tuple[Future[RunnerResult], SchedulerOutput]] = deque()
         # Pipeline parallelism sets the executor's own limit: one batch per stage.

@@ -17,12 +17,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from engine_svc.config import GRAMMAR_CACHE_BYTES
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.structured.grammars import grammar_of
 
-# What vLLM keeps by default (VLLM_XGRAMMAR_CACHE_MB). For SmolLM2's 49,152-token vocabulary
-# a short regex's grammar measured 16-42 KB, a one-property JSON schema's 30 KB.
-DEFAULT_CACHE_BYTES = 512 << 20
+# For SmolLM2's 49,152-token vocabulary a short regex's grammar measured 16-42 KB, a
+# one-property JSON schema's 30 KB: the default bound holds thousands.
 
 _Key = tuple[str, str]
 
@@ -33,7 +33,7 @@ class GrammarCompiler:
         tokenizer_dir: str,
         vocab_size: int,
         stop_token_ids: list[int],
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int = GRAMMAR_CACHE_BYTES,
     ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size

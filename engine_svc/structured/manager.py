@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_svc.config import GRAMMAR_CACHE_BYTES
 from engine_svc.core.request import Request
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.sampling_params import SamplingParams
@@ -14,9 +15,15 @@ from engine_svc.worker.outputs import GrammarBitmask
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_bytes: int = GRAMMAR_CACHE_BYTES,
+    ) -> None:
         self.vocab_size = vocab_size
-        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, stop_token_ids)
+        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, stop_token_ids, cache_bytes)
         self._bitmask: Any = None
 
     def start(self, params: SamplingParams) -> StructuredRequestState:

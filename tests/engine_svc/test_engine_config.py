@@ -21,6 +21,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
     ({"stream_interval": 0}, "stream_interval"),
+    ({"grammar_cache_bytes": -1}, "grammar_cache_bytes"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
     ({"master_port": 70000}, "master_port"),

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from engine_svc import LLM
+from engine_svc.config import GRAMMAR_CACHE_BYTES
 from engine_svc.sampling_params import SamplingParams
 from engine_svc.structured.compiler import GrammarCompiler
+from shared.errors import InvalidRequestError
 
 
 def _regex(i: int) -> SamplingParams:
@@ -79,3 +82,17 @@ def test_a_failed_compile_leaves_the_cache(open_compiler: GrammarCompiler) -> No
     _settled(compiler)
     assert compiler.num_grammars == 0 and compiler.cached_bytes == 0
     assert compiler.compile(SamplingParams(regex="[0-9")) is not failed  # tried again
+
+
+def test_the_bound_is_an_engine_option_and_a_service_flag(tiny_model_dir: Path) -> None:
+    from engine_svc.__main__ import build_parser, engine_config
+
+    llm = LLM(str(tiny_model_dir), max_model_len=256, grammar_cache_bytes=12345)
+    assert llm.engine_core.structured_output.compiler.cache_bytes == 12345
+    parser = build_parser()
+    assert engine_config(parser.parse_args([]), "m").grammar_cache_bytes == GRAMMAR_CACHE_BYTES
+    flagged = parser.parse_args(["--grammar-cache-mib", "1.5"])
+    assert engine_config(flagged, "m").grammar_cache_bytes == 3 << 19
+    with pytest.raises(InvalidRequestError) as refused:
+        engine_config(parser.parse_args(["--grammar-cache-mib", "-1"]), "m")
+    assert refused.value.field == "grammar_cache_mib"  # reported as --grammar-cache-mib
