@@ -25,6 +25,7 @@ from engine_svc.executor.base import Executor, RunnerResult, WorkerMemory
 from engine_svc.executor.factory import build_executor
 from engine_svc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine_svc.models.model_spec import ModelSpec, load_model_spec
+from engine_svc.structured.compiler import GrammarCompiler
 from engine_svc.structured.manager import StructuredOutputManager
 from engine_svc.worker.model_runner import resolve_device, resolve_dtype
 from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
@@ -77,10 +78,12 @@ class EngineCore:
             )
         )
         self.structured_output = StructuredOutputManager(
-            config.model,
-            self.spec.vocab_size,
-            list(self.spec.eos_token_ids),
-            config.grammar_cache_bytes,
+            GrammarCompiler(
+                config.model,
+                self.spec.vocab_size,
+                list(self.spec.eos_token_ids),
+                config.grammar_cache_bytes,
+            )
         )
         self.batch_queue: deque[tuple[Future[RunnerResult], SchedulerOutput]] = deque()
         # Pipeline parallelism sets the executor's own limit: one batch per stage.

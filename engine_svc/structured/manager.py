@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_svc.config import GRAMMAR_CACHE_BYTES
 from engine_svc.core.request import Request
 from engine_svc.core.sched.output import SchedulerOutput
 from engine_svc.sampling_params import SamplingParams
@@ -15,15 +14,9 @@ from engine_svc.worker.outputs import GrammarBitmask
 
 
 class StructuredOutputManager:
-    def __init__(
-        self,
-        tokenizer_dir: str,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        cache_bytes: int = GRAMMAR_CACHE_BYTES,
-    ) -> None:
-        self.vocab_size = vocab_size
-        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, stop_token_ids, cache_bytes)
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.vocab_size = compiler.vocab_size
+        self.compiler = compiler
         self._bitmask: Any = None
 
     def start(self, params: SamplingParams) -> StructuredRequestState:
