@@ -4,9 +4,10 @@
 //
 // A static split makes every parallel region as slow as its slowest thread. On a machine
 // whose cores other processes share (the engine service, the frontend and its clients beside
-// the model's threads), a thread that loses its core for a while held up the whole region:
-// a neighbour taking a tenth of the machine in 100 us bursts stretched a bfloat16 decode step
-// by 24%. Here the other thread takes over the preempted one's remaining items.
+// the model's threads), a thread that loses its core for a while held up the whole region.
+// Here the other thread takes over the preempted one's remaining items: with a neighbour
+// taking 0.2 of a core in 100 us bursts, a bfloat16 decode step of SmolLM2-135M at 64 rows
+// grew 16-19% (25-28% with the static split) on the 2-core AMX Xeon.
 #pragma once
 
 #include <ATen/Parallel.h>
