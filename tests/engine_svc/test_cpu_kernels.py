@@ -359,6 +359,23 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+def test_bf16_silu_and_mul_is_torch_s_for_every_gate_value() -> None:
+    """bfloat16 silu(gate) is a lookup by the gate's bits (vec.h's silu_bf16_table): all
+    65,536 gates, NaNs and infinities included, against torch's silu then mul."""
+    gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = (torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 4).to(gate.dtype)
+    got = torch.ops.duoserve.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
+    expected = torch.nn.functional.silu(gate) * up
+    both_nan = got.isnan() & expected.isnan()
+    build = loaded_build()
+    if build is not None and build.fast:
+        same = (got.view(torch.int16) == expected.view(torch.int16)) | both_nan
+        assert bool(same.all()), gate[~same][:8]
+    finite = expected.isfinite()
+    assert torch.equal(got.isnan(), expected.isnan())
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-2, atol=1e-2)
+
+
 # ---- prefill attention ----------------------------------------------------------------------
 
 

@@ -325,10 +325,10 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
 inline void store(fvec v, float* p, int64_t n) { v.store(p, n); }
 
 // One row of silu(gate) * up; in bfloat16, silu(gate) rounded before the product, as
-// torch's silu then mul round. Two vectors a step: exp's chain of dependent FMAs is long,
-// and on a core that splits 256-bit operations in two (the Zen 1) one vector a step could
-// not overlap the next one's chain (bfloat16, 64 rows of 1536: 215 us against 190 for the
-// 16 values a step before; float32 118).
+// torch's silu then mul round (a table lookup, vec.h). Two vectors a step: float32's exp is
+// a long chain of dependent FMAs, and on a core that splits 256-bit operations in two (the
+// Zen 1) one vector a step could not overlap the next one's chain (bfloat16 with exp, 64
+// rows of 1536: 215 us against 190 for the 16 values a step before; float32 118).
 template <typename T>
 __attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __restrict out,
                                                int64_t width) {
