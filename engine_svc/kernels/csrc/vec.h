@@ -256,16 +256,6 @@ float row_max(const T* row, int64_t n) {
 // bfloat16 gates look it up instead (silu_bf16_table below).
 inline fvec silu(fvec g) { return g / (fvec(1.0f) + g.neg().exp()); }
 
-// v as the dtype T holds it: rounded to bfloat16 for bfloat16, unchanged for float32.
-template <typename T>
-inline fvec round_as(fvec v) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return round_to_bf16(v);
-  } else {
-    return v;
-  }
-}
-
 // silu of every bfloat16 value rounded to bfloat16, by the value's bits: a bfloat16 gate has
 // 65,536 values, so its rounded silu is a lookup (a gather from 128 KiB, in L2) rather than
 // an exp and a division, whose chain of dependent steps the gate/up pairs' epilogue could
