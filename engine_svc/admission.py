@@ -3,8 +3,9 @@ engine core (the gRPC service's, the offline LLM's), against the limits that eng
 at start-up. The core then trusts the typed request it is given and checks nothing again.
 
 A request that could never finish is refused here, naming the field: sampling parameters out
-of range, a constraint that does not parse, an empty prompt or one with unknown token ids, a
-prompt and max_tokens that do not fit the model length or the KV cache.
+of range, a constraint that does not parse, an empty prompt or unknown token ids (in the
+prompt or stop_token_ids), a prompt and max_tokens (or min_tokens) that do not fit the model
+length or the KV cache.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
         raise InvalidRequestError(
             "prompt_token_ids", f"token ids must be in [0, {limits.vocab_size})"
         )
+    # The sampler indexes the logits with these while min_tokens holds them back.
+    outside = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if outside is not None:
+        raise InvalidRequestError(
+            "stop_token_ids", f"token id {outside} is not in [0, {limits.vocab_size})"
+        )
     if num_prompt >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt_token_ids",
@@ -36,6 +43,13 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
             f"max_model_len={limits.max_model_len}",
         )
     if params.max_tokens is None:
+        room = limits.max_model_len - num_prompt
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"{params.min_tokens} is more than the {room} tokens the prompt "
+                f"({num_prompt}) leaves within max_model_len={limits.max_model_len}",
+            )
         return
     total = num_prompt + params.max_tokens
     if total > limits.max_model_len:

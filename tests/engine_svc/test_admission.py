@@ -5,6 +5,7 @@ the fake-runner engine (scheduler_harness.py), which checks as a client does."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -50,10 +51,17 @@ def test_admission_accepts_a_request_that_fits_exactly(
 
 @pytest.mark.parametrize(
     ("sampling", "field"),
-    [({"top_p": 0.0}, "top_p"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens")],
+    [
+        ({"top_p": 0.0}, "top_p"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        # Without max_tokens, min_tokens must fit what the model length leaves (62 here).
+        ({"min_tokens": 63, "max_tokens": None}, "min_tokens"),
+        # While min_tokens holds them back, the sampler indexes the logits with these.
+        ({"stop_token_ids": [VOCAB_SIZE], "min_tokens": 1}, "stop_token_ids"),
+    ],
 )
 def test_admission_checks_the_sampling_parameters(
-    make_engine: Callable[..., FakeEngine], sampling: dict[str, float], field: str
+    make_engine: Callable[..., FakeEngine], sampling: dict[str, Any], field: str
 ) -> None:
     engine = make_engine()
 
@@ -62,3 +70,12 @@ def test_admission_checks_the_sampling_parameters(
 
     assert error.value.field == field
     assert not engine.scheduler.has_requests()
+
+
+def test_min_tokens_without_max_tokens_may_fill_the_model_length(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine(max_model_len=16, num_kv_blocks=4)
+    engine.add(make_request("a", [1, 2], min_tokens=14, max_tokens=None))
+
+    assert len(engine.run()["a"].token_ids) == 14

@@ -165,6 +165,9 @@ def _rpc_error(call: Any) -> grpc.RpcError:
         ({"repetition_penalty": 0.0}, "sampling_params.repetition_penalty"),
         ({"min_tokens": 50, "max_tokens": 10}, "sampling_params.min_tokens"),
         ({"stop_token_ids": list(range(5000))}, "sampling_params.stop_token_ids"),
+        # Past the vocabulary, these ids crashed the sampler once min_tokens held them back.
+        ({"stop_token_ids": [49152], "min_tokens": 1}, "sampling_params.stop_token_ids"),
+        ({"min_tokens": 4_000_000_000, "max_tokens": None}, "sampling_params.min_tokens"),
         ({"request_id": "x" * 5000}, "request_id"),
     ],
 )
