@@ -25,8 +25,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | None = None
+    error: str | None = None  # why, when finish_reason is "error"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
 
@@ -107,6 +108,7 @@ def _apply(result: RequestOutput, output: EngineCoreOutput) -> None:
     if output.finish_reason is not None:
         result.finish_reason = str(output.finish_reason)
         result.stop_reason = output.stop_reason
+        result.error = output.error
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -62,6 +62,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     num_cached_tokens: int = 0
     error: str | None = None
     times: RequestTimes | None = None
+    # With FinishReason.ERROR: the request's own field that made it fail (a constraint no
+    # token can continue), so gRPC callers get INVALID_ARGUMENT naming it, not an engine fault.
+    invalid_field: str | None = None
 
     @property
     def finished(self) -> bool:

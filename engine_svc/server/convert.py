@@ -111,6 +111,8 @@ def to_max_steps(request: pb.ResumeGenerationRequest) -> int | None:
 
 
 def to_generate_response(output: EngineCoreOutput) -> pb.GenerateResponse:
+    if output.invalid_field is not None:  # the request's own input: INVALID_ARGUMENT
+        raise InvalidRequestError(output.invalid_field, output.error or "cannot be served")
     response = pb.GenerateResponse(
         request_id=output.request_id,
         token_ids=output.new_token_ids,

@@ -38,6 +38,7 @@ class StructuredOutputManager:
         bitmask = self._bitmask_rows(len(rows))
         for row, (_, state) in enumerate(rows):
             state.fill_bitmask(bitmask, row)
+        _release_dead_ends(bitmask, [state for _, state in rows])
         return GrammarBitmask([request_id for request_id, _ in rows], bitmask)
 
     def _bitmask_rows(self, count: int) -> Any:
@@ -50,3 +51,16 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def _release_dead_ends(bitmask: Any, states: list[StructuredRequestState]) -> None:
+    """Rows whose grammar allows no token at all (a regex whose language is empty, a schema
+    that can never close): each such state is marked, for the scheduler to end its request
+    naming the constraint, and its row allows every token, so the sampler draws from a
+    normal distribution rather than from all -inf (the draw is then dropped)."""
+    blocked = ~bitmask.any(dim=1)
+    if not bool(blocked.any()):
+        return
+    for row in blocked.nonzero().flatten().tolist():
+        states[row].allows_no_token = True
+        bitmask[row] = -1  # all 32 bits of every word set

@@ -10,6 +10,8 @@ class StructuredRequestState:
     def __init__(self, grammar: Future[Any]) -> None:
         self._grammar = grammar
         self._matcher: Any = None
+        # Set when the grammar allowed no next token: the sampled one is not the request's.
+        self.allows_no_token = False
 
     def is_ready(self) -> bool:
         return self._grammar.done()

@@ -168,6 +168,8 @@ def _rpc_error(call: Any) -> grpc.RpcError:
         # Past the vocabulary, these ids crashed the sampler once min_tokens held them back.
         ({"stop_token_ids": [49152], "min_tokens": 1}, "sampling_params.stop_token_ids"),
         ({"min_tokens": 4_000_000_000, "max_tokens": None}, "sampling_params.min_tokens"),
+        # Parses, but no token can continue it: ended naming the field, not as a fault.
+        ({"regex": r"[^\s\S]"}, "sampling_params.regex"),
         ({"request_id": "x" * 5000}, "request_id"),
     ],
 )

@@ -138,3 +138,35 @@ def test_service_refuses_bad_grammars_before_the_engine() -> None:
     assert excinfo.value.field == "sampling_params.regex"
     good = to_sampling_params(pb.SamplingParams(choice=pb.ChoiceConstraint(choices=CHOICES)))
     assert good.choice == CHOICES
+
+
+# A regex whose language is empty, and a schema whose only objects nest forever: the first
+# allows no token at all, the second none once its prefix `{"a": {"a": ...` runs out of room.
+EMPTY_REGEX = r"[^\s\S]"
+ENDLESS_SCHEMA = json.dumps(
+    {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_constraint_no_token_can_continue_ends_its_request_naming_the_field(
+    tiny_model_dir: Path, temperature: float
+) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    prompts = [llm.tokenizer.encode(f"prompt number {i}") for i in range(3)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12)
+    sampled = {"temperature": temperature, "top_p": 0.9, "seed": 3, "max_tokens": 64}
+    empty = SamplingParams(regex=EMPTY_REGEX, **sampled)
+    endless = SamplingParams(json_schema=ENDLESS_SCHEMA, **sampled)
+    alone = llm.generate(prompts[:1], plain)[0].token_ids
+
+    outputs = llm.generate(prompts, [plain, empty, endless])
+
+    assert outputs[0].token_ids == alone
+    for output in outputs[1:]:
+        assert output.finish_reason == "error"
+        assert output.error is not None and "constraint cannot be completed" in output.error
+    assert outputs[1].token_ids == []
+    # What it did give is the schema's own prefix: no forbidden token was kept.
+    assert outputs[2].text.startswith('{"a":')
+    assert_kv_cache_clean(llm)

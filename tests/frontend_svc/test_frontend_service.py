@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
+from tests.engine_svc.test_structured_output import ENDLESS_SCHEMA
 from tests.frontend_svc.frontend_helpers import frontend_stub, greedy, stream_texts
 from tests.service_processes import (
     SERVING,
@@ -298,6 +299,17 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.regex"),  # refused by the engine's server before its busy loop
         ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},
          "sampling_params.json_schema"),
+        # Past the vocabulary, with min_tokens: this once crashed the engine's sampler.
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(stop_token_ids=[49152],
+                                                              min_tokens=1, max_tokens=4)},
+         "sampling_params.stop_token_ids"),
+        # Constraints that parse but that no token can continue, at once or after a prefix:
+        # the engine ends them naming the field, and stays in service for other requests.
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(regex=r"[^\s\S]")},
+         "sampling_params.regex"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema=ENDLESS_SCHEMA,
+                                                              max_tokens=64)},
+         "sampling_params.json_schema"),
     ],
 )  # fmt: skip
 def test_bad_input_is_invalid_argument_naming_the_field(
@@ -311,6 +323,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(
                 list(result) if method == "GenerateStream" else result
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+    assert services.frontend.health() == SERVING  # no engine was taken out of service
 
 
 def test_model_info_health_and_reflection(services: Services, tiny_model_dir: Path) -> None:

@@ -199,6 +199,9 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a prefill chunk short of the end, or aborted while in flight
+            if request.structured is not None and request.structured.allows_no_token:
+                outputs.append(self._end_dead_end(request))
+                continue
             request.append_output_token(token_id)
             finished = request.check_stop(max_model_len)
             if request.structured is not None and not finished:
@@ -241,6 +244,28 @@ class Scheduler:
             request.finish(FinishReason.STOP)
             return True
         return False
+
+    def _end_dead_end(self, request: Request) -> EngineCoreOutput:
+        """End a request whose constraint allows no next token: its own input's fault, so
+        the output names the constraint's field (INVALID_ARGUMENT), and the token sampled
+        for it, which the constraint forbids, is not its."""
+        constraint = request.sampling_params.constraint
+        field = constraint[0] if constraint is not None else "sampling_params"
+        request.error = (
+            f"no token can follow the {request.num_output_tokens} generated so far: "
+            "the constraint cannot be completed"
+        )
+        request.finish(FinishReason.ERROR)
+        self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=request.error,
+            times=_times_with_first_token(request),
+            invalid_field=field,
+        )
 
     def _fail(self, request: Request, error: str) -> None:
         """End a waiting request that can never run; its output goes with the next results."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine_svc.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+from shared.errors import InvalidRequestError
 
 FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -34,6 +35,8 @@ class GenerateResponses:
 
     def on_output(self, output: EngineCoreOutput) -> list[vpb.GenerateResponse]:
         """The responses to send for one output (merged outputs are fine: tokens append)."""
+        if output.invalid_field is not None:
+            raise InvalidRequestError(output.invalid_field, output.error or "cannot be served")
         if output.finish_reason == FinishReason.ERROR:
             raise EngineRequestError(f"the request failed in the engine: {output.error}")
         self.output_ids.extend(output.new_token_ids)
