@@ -75,7 +75,7 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
     )
     frontend = Frontend(pool, metrics=metrics)
     server, health_servicer = build_server(
-        GenerationServicer(frontend, options.stream_write_timeout_s),
+        GenerationServicer(frontend, options.stream_write_timeout_s, options.max_message_bytes),
         options.host,
         options.port,
         options.max_message_bytes,

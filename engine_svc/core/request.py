@@ -25,6 +25,7 @@ class GrammarState(Protocol):
     def accept(self, token_id: int) -> bool: ...
     @property
     def is_terminated(self) -> bool: ...
+
     # True once the grammar allowed no next token (the step's draw is not the request's).
     allows_no_token: bool
 

@@ -12,9 +12,11 @@ import grpc
 
 from frontend_svc.server import convert
 from frontend_svc.service import Frontend
+from shared.errors import MessageTooLargeError
 from shared.frontend_protos import frontend_pb2 as pb
 from shared.frontend_protos import frontend_pb2_grpc
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
+from shared.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
@@ -24,16 +26,21 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServiceServicer):
         self,
         frontend: Frontend,
         stream_write_timeout_s: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.frontend = frontend
         self.stream_write_timeout_s = stream_write_timeout_s  # a client reading nothing: dropped
+        self.max_message_bytes = max_message_bytes  # the server's send limit
 
     @unary_errors
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         result = await self.frontend.generate(
             convert.to_generation_request(request), deadline_of(context)
         )
-        return convert.to_generate_response(result)
+        return self._within_limit(
+            convert.to_generate_response(result),
+            "stream it with GenerateStream, or ask for fewer tokens, logprobs or choices",
+        )
 
     @stream_errors
     async def GenerateStream(
@@ -43,7 +50,20 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServiceServicer):
         updates = self.frontend.stream(convert.to_generation_request(request), deadline_of(context))
         async with contextlib.aclosing(updates):
             async for update in updates:
-                yield convert.to_generate_response(update)
+                yield self._within_limit(
+                    convert.to_generate_response(update), "ask for fewer logprobs or choices"
+                )
+
+    def _within_limit(self, response: pb.GenerateResponse, hint: str) -> pb.GenerateResponse:
+        """gRPC would refuse to send it anyway, with a bare status and a traceback in the
+        log: this names the sizes and what to do instead (RESOURCE_EXHAUSTED)."""
+        size = response.ByteSize()
+        if size > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"a response of {size} bytes is over this server's message limit of "
+                f"{self.max_message_bytes} bytes: {hint}"
+            )
+        return response
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:

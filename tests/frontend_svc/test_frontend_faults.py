@@ -16,7 +16,7 @@ import pytest
 from frontend_svc.engines import router
 from frontend_svc.engines.endpoint import EngineEndpoint
 from frontend_svc.engines.pool import EnginePool
-from frontend_svc.server.app import build_server
+from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
@@ -64,14 +64,19 @@ async def wait_num_healthy(
 
 @asynccontextmanager
 async def frontend_for(
-    engines: list[FakeEngine], tokenizer: Tokenizer, max_waiting: int = 100, num_serving: int = -1
+    engines: list[FakeEngine],
+    tokenizer: Tokenizer,
+    max_waiting: int = 100,
+    num_serving: int = -1,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> AsyncIterator[frontend_pb2_grpc.GenerationServiceStub]:
     """A frontend (pool, servicer, gRPC server) on the engines; yields a client stub once
     `num_serving` engines (default: all) are seen healthy."""
     pool = EnginePool(lambda a, on_change: EngineEndpoint(a, 0.1, on_change), max_waiting)
     pool.set_addresses([e.address for e in engines])
     port = free_port()
-    server, _ = build_server(GenerationServicer(Frontend(pool, tokenizer)), "127.0.0.1", port)
+    servicer = GenerationServicer(Frontend(pool, tokenizer), max_message_bytes=max_message_bytes)
+    server, _ = build_server(servicer, "127.0.0.1", port, max_message_bytes)
     await server.start()
     expected = len(engines) if num_serving < 0 else num_serving
     await wait_for(lambda: len(pool.available) == expected)
@@ -242,6 +247,25 @@ def test_engine_input_errors_pass_through_naming_the_field(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Generate(request(), timeout=10)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await engine.stop()
+
+    run(body)
+
+
+def test_a_response_over_the_message_limit_names_the_sizes_and_streaming_still_serves(
+    tokenizer: Tokenizer, tokens: list[int]
+) -> None:
+    async def body() -> None:
+        engine = await FakeEngine(tokens).start()
+        async with frontend_for([engine], tokenizer, max_message_bytes=512) as stub:
+            whole = request(max_tokens=len(tokens))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Generate(whole, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "message limit of 512 bytes" in (caught.value.details() or "")
+            assert "GenerateStream" in (caught.value.details() or "")
+            texts = [r.choices[0].text async for r in stub.GenerateStream(whole, timeout=10)]
+            assert "".join(texts) == TEXT
         await engine.stop()
 
     run(body)
