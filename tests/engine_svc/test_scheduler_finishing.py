@@ -159,3 +159,66 @@ def test_the_next_step_frees_the_requests_that_finished(
     assert engine.history[-1].freed_request_ids == ["a"]
     engine.run()
     assert engine.scheduler.schedule().freed_request_ids == ["b"]
+
+
+# ---- constraints the request itself cannot satisfy ---------------------------------------
+
+
+class ScriptedGrammar:
+    """A constrained request's grammar as the scheduler sees it: compiled (or failed to),
+    accepting every token until the test says it allows none."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self._error = error
+        self.allows_no_token = False
+        self.accepted: list[int] = []
+
+    def is_ready(self) -> bool:
+        return True
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_naming_the_constraint(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine()
+    request = make_request("a", PROMPT, regex="[0-9]+")
+    request.structured = ScriptedGrammar(error="grammar compilation failed: too large")
+    engine.add(request)
+
+    assert engine.schedule().scheduled == []
+    (failed,) = engine.scheduler.take_failed_outputs()
+    assert (failed.finish_reason, failed.invalid_field) == (FinishReason.ERROR, "regex")
+    assert failed.error == "grammar compilation failed: too large"
+
+
+def test_a_grammar_that_allows_no_token_ends_its_request_without_the_draw(
+    make_engine: Callable[..., FakeEngine],
+) -> None:
+    engine = make_engine()
+    request = make_request("a", PROMPT, json_schema='{"type": "object"}')
+    grammar = ScriptedGrammar()
+    request.structured = grammar
+    engine.add(request)
+    engine.step()
+    engine.step()
+    grammar.allows_no_token = True  # as the step's bitmask found it
+
+    (output,) = engine.step()
+
+    assert (output.finish_reason, output.invalid_field) == (FinishReason.ERROR, "json_schema")
+    assert output.new_token_ids == [] and output.error is not None
+    assert "no token can follow the 2 generated so far" in output.error
+    assert engine.results["a"].token_ids == OUTPUT[:2] == grammar.accepted
+    assert not engine.scheduler.has_requests()

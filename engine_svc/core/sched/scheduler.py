@@ -131,8 +131,10 @@ class Scheduler:
                     waiting_for_grammar.append(self.waiting.pop())
                     continue
                 if request.structured.error is not None:
+                    # The constraint's own fault (parsed, but would not compile against the
+                    # vocabulary): no other engine would do better.
                     self.waiting.pop()
-                    self._fail(request, request.structured.error)
+                    self._fail(request, request.structured.error, _constraint_field(request))
                     continue
             hits = self.kv_cache.get_computed_blocks(request)
             num_hit_tokens = len(hits) * config.block_size
@@ -249,8 +251,6 @@ class Scheduler:
         """End a request whose constraint allows no next token: its own input's fault, so
         the output names the constraint's field (INVALID_ARGUMENT), and the token sampled
         for it, which the constraint forbids, is not its."""
-        constraint = request.sampling_params.constraint
-        field = constraint[0] if constraint is not None else "sampling_params"
         request.error = (
             f"no token can follow the {request.num_output_tokens} generated so far: "
             "the constraint cannot be completed"
@@ -264,11 +264,12 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
             times=_times_with_first_token(request),
-            invalid_field=field,
+            invalid_field=_constraint_field(request),
         )
 
-    def _fail(self, request: Request, error: str) -> None:
-        """End a waiting request that can never run; its output goes with the next results."""
+    def _fail(self, request: Request, error: str, invalid_field: str | None = None) -> None:
+        """End a waiting request that can never run; its output goes with the next results.
+        `invalid_field`: the request's own field at fault, if it is (EngineCoreOutput's)."""
         request.error = error
         request.finish(FinishReason.ERROR)
         self._free_request(request)
@@ -278,6 +279,7 @@ class Scheduler:
                 new_token_ids=[],
                 finish_reason=FinishReason.ERROR,
                 error=error,
+                invalid_field=invalid_field,
             )
         )
 
@@ -341,6 +343,11 @@ class Scheduler:
 def _num_prompt_tokens_in(request: Request, start: int, count: int) -> int:
     """How many of the tokens [start, start + count) belong to the prompt."""
     return max(0, min(start + count, request.num_prompt_tokens) - start)
+
+
+def _constraint_field(request: Request) -> str:
+    constraint = request.sampling_params.constraint
+    return constraint[0] if constraint is not None else "sampling_params"
 
 
 def _times_with_first_token(request: Request) -> RequestTimes | None:
