@@ -5,7 +5,8 @@ Decoding one token at a time is wrong twice over: a character may span several b
 tokens, and decoders treat the start of a sequence specially (SentencePiece drops a leading
 space). So each step decodes a small window twice, with and without the new tokens, and
 emits the difference; the window starts at the last point where text was emitted, which is
-on a character boundary.
+on a character boundary. Text before a character the tokens have only begun is final, and
+goes out at once: a stop string that ends there ends at the token that completed it.
 """
 
 from __future__ import annotations
@@ -29,27 +30,40 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         # token_ids[prefix_offset:read_offset] decode to the text emitted last; tokens from
-        # read_offset on have not been emitted yet.
+        # read_offset on have not been emitted yet, except the first `emitted` characters
+        # of their text: those before a character they have only begun.
         self.prefix_offset = 0
         self.read_offset = 0
+        self.emitted = 0
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
         prefix_text, new_text = self._decode_window()
-        # A trailing replacement character may be the first bytes of a character the next
-        # token completes: hold it back until then (or until flush).
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if len(new_text) <= len(prefix_text):
             return ""
+        start = len(prefix_text) + self.emitted
+        # A trailing replacement character may be the first bytes of a character the next
+        # token completes: hold it back until then (or until flush). The text before it is
+        # final already, so a stop string ending there ends at this token.
+        if new_text.endswith(REPLACEMENT_CHAR):
+            end = len(new_text.rstrip(REPLACEMENT_CHAR))
+            if end <= start:
+                return ""
+            self.emitted = end - len(prefix_text)
+            return new_text[start:end]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
+        self.emitted = 0
+        return new_text[start:]
 
     def flush(self) -> str:
         """The held-back rest, as decoding the whole output gives it (replacement characters
         included when the output really ends inside a character)."""
         prefix_text, new_text = self._decode_window()
+        start = len(prefix_text) + self.emitted
         self.prefix_offset = self.read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
+        self.emitted = 0
+        return new_text[start:]
 
     def _decode_window(self) -> tuple[str, str]:
         skip = self.skip_special_tokens

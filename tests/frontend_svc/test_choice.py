@@ -29,6 +29,19 @@ def test_a_stop_string_spanning_two_tokens_ends_the_choice(tokenizer: Tokenizer)
     assert choice.is_finished and choice.add(output([5])) is False
 
 
+def test_a_stop_string_cuts_at_its_token_when_that_token_also_begins_a_character(
+    tokenizer: Tokenizer,
+) -> None:
+    token_ids = tokenizer.encode("a 😀b")  # 40303: " " and the emoji's first bytes
+    choice = ChoiceState(0, tokenizer, SamplingOptions(stop=("a ",)))
+    for token_id in token_ids:  # one token a message, as the engine streams them
+        if choice.add(output([token_id])):
+            break
+    delta = choice.take_delta()
+    assert delta is not None
+    assert (delta.text, delta.token_ids, choice.num_tokens) == ("", token_ids[:2], 2)
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer: Tokenizer) -> None:
     options = SamplingOptions(stop=("brown",), include_stop_str_in_output=True)
     choice = ChoiceState(0, tokenizer, options)

@@ -47,6 +47,13 @@ def test_a_character_split_over_tokens_is_held_until_complete(tokenizer: Tokeniz
     assert deltas[-2:] == ["世", ""]
 
 
+def test_text_before_a_begun_character_is_not_held_with_it(tokenizer: Tokenizer) -> None:
+    # 40303 is a space and the first bytes of the emoji: the space is final at once.
+    token_ids = tokenizer.encode("a 😀b")
+    assert token_ids == [81, 40303, 218, 82]
+    assert stream(tokenizer, token_ids, True) == ["a", " ", "😀", "b", ""]
+
+
 def test_special_tokens_follow_skip_special_tokens(tokenizer: Tokenizer) -> None:
     token_ids = [*tokenizer.encode("Hi"), 2]  # 2 is <|im_end|>, the EOS
     assert "".join(stream(tokenizer, token_ids, True)) == "Hi"
