@@ -36,6 +36,14 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
         raise InvalidRequestError(
             "stop_token_ids", f"token id {outside} is not in [0, {limits.vocab_size})"
         )
+    held_back = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        held_back.update(limits.eos_token_ids)
+    if params.min_tokens > 0 and len(held_back) >= limits.vocab_size:
+        raise InvalidRequestError(
+            "stop_token_ids",
+            "with these and EOS held back until min_tokens, no token is left to sample",
+        )
     if num_prompt >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt_token_ids",

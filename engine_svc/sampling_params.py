@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from shared.errors import InvalidRequestError
@@ -62,7 +64,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
-        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive count")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
@@ -76,7 +78,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _check(
+            0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be finite and > 0"
+        )
         if self.logprobs is not None:
             _check(
                 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"

@@ -58,6 +58,8 @@ def test_admission_accepts_a_request_that_fits_exactly(
         ({"min_tokens": 63, "max_tokens": None}, "min_tokens"),
         # While min_tokens holds them back, the sampler indexes the logits with these.
         ({"stop_token_ids": [VOCAB_SIZE], "min_tokens": 1}, "stop_token_ids"),
+        # Held back until min_tokens, they would leave nothing to sample.
+        ({"stop_token_ids": list(range(VOCAB_SIZE)), "min_tokens": 1}, "stop_token_ids"),
     ],
 )
 def test_admission_checks_the_sampling_parameters(

@@ -17,6 +17,8 @@ NAN = float("nan")
     ("values", "field"),
     [
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),  # logits / inf: NaN where masked
+        ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
         ({"top_k": -2}, "top_k"),
@@ -33,6 +35,7 @@ NAN = float("nan")
         ({"frequency_penalty": 2.1}, "frequency_penalty"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
         ({"temperature": NAN}, "temperature"),

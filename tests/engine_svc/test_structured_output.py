@@ -170,3 +170,17 @@ def test_a_constraint_no_token_can_continue_ends_its_request_naming_the_field(
     # What it did give is the schema's own prefix: no forbidden token was kept.
     assert outputs[2].text.startswith('{"a":')
     assert_kv_cache_clean(llm)
+
+
+def test_a_constraint_that_only_min_tokens_blocks_ends_its_request_naming_the_field(
+    tiny_model_dir: Path,
+) -> None:
+    # Once "yes" or "no" is out, the grammar allows EOS alone, which min_tokens holds back.
+    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8, choice=["yes", "no"])
+
+    (output,) = llm.generate(["Answer:"], params)
+
+    assert output.finish_reason == "error" and output.text in ("yes", "no")
+    assert output.error is not None and "none that min_tokens does not hold back" in output.error
+    assert_kv_cache_clean(llm)

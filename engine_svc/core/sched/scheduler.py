@@ -201,13 +201,14 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a prefill chunk short of the end, or aborted while in flight
-            if request.structured is not None and request.structured.allows_no_token:
+            if request.structured is not None and not self._grammar_takes(request, token_id):
                 outputs.append(self._end_dead_end(request))
                 continue
             request.append_output_token(token_id)
             finished = request.check_stop(max_model_len)
-            if request.structured is not None and not finished:
-                finished = self._advance_grammar(request, token_id)
+            if request.structured is not None and not finished and request.structured.is_terminated:
+                request.finish(FinishReason.STOP)
+                finished = True
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -235,25 +236,28 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         return outputs
 
-    def _advance_grammar(self, request: Request, token_id: int) -> bool:
-        """Feed the sampled token to the request's grammar; True if that ends the request."""
+    @staticmethod
+    def _grammar_takes(request: Request, token_id: int) -> bool:
+        """Feed the sampled token to the request's grammar. False when the step left the
+        request no token at all: its grammar allowed none, or none that min_tokens does not
+        hold back (the sampler then drew from nothing, and the draw is not the request's)."""
         assert request.structured is not None
-        if not request.structured.accept(token_id):
-            request.error = f"token {token_id} violates the request's grammar"
-            request.finish(FinishReason.ERROR)
-            return True
-        if request.structured.is_terminated:
-            request.finish(FinishReason.STOP)
-            return True
-        return False
+        return not request.structured.allows_no_token and request.structured.accept(token_id)
 
     def _end_dead_end(self, request: Request) -> EngineCoreOutput:
-        """End a request whose constraint allows no next token: its own input's fault, so
-        the output names the constraint's field (INVALID_ARGUMENT), and the token sampled
-        for it, which the constraint forbids, is not its."""
+        """End a request whose constraint allows no next token (alone, or with the end
+        tokens min_tokens holds back): its own input's fault, so the output names the
+        constraint's field (INVALID_ARGUMENT), and the token sampled for it, which the
+        constraint forbids, is not its."""
+        grammar_alone = request.structured is not None and request.structured.allows_no_token
+        held_back = request.sampling_params.min_tokens > request.num_output_tokens
+        why = (
+            "the constraint allows none that min_tokens does not hold back"
+            if held_back and not grammar_alone
+            else "the constraint cannot be completed"
+        )
         request.error = (
-            f"no token can follow the {request.num_output_tokens} generated so far: "
-            "the constraint cannot be completed"
+            f"no token can follow the {request.num_output_tokens} generated so far: {why}"
         )
         request.finish(FinishReason.ERROR)
         self._free_request(request)
