@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# The sampler divides float32 logits by these: beyond, a masked -inf becomes NaN (an
+# infinite float32 temperature, a repetition penalty of 0) or a logit overflows.
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # Temperatures under this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 
@@ -64,7 +66,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
-        _check(0.0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
+        _check(
+            0.0 <= self.temperature <= FLOAT32_MAX,
+            "temperature",
+            f"must be in [0, {FLOAT32_MAX:g}] (float32)",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive count")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
@@ -79,7 +85,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _check(
-            0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be finite and > 0"
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
         )
         if self.logprobs is not None:
             _check(

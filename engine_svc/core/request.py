@@ -26,8 +26,9 @@ class GrammarState(Protocol):
     @property
     def is_terminated(self) -> bool: ...
 
-    # True once the grammar allowed no next token (the step's draw is not the request's).
-    allows_no_token: bool
+    # Why the step left the request no token to draw (its grammar allowed none, or none
+    # that min_tokens does not hold back); the draw is then not the request's. None: fine.
+    dead_end: str | None
 
 
 class Request:

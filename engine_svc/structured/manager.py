@@ -25,21 +25,21 @@ class StructuredOutputManager:
     def grammar_bitmask(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> GrammarBitmask | None:
-        rows: list[tuple[str, StructuredRequestState]] = []
+        rows: list[tuple[Request, StructuredRequestState]] = []
         for entry in scheduler_output.scheduled:
             request = requests.get(entry.request_id)
             if request is None or not isinstance(request.structured, StructuredRequestState):
                 continue
             # Only a chunk that reaches the end of the known tokens samples.
             if entry.num_computed_tokens + len(entry.token_ids) == request.num_tokens:
-                rows.append((entry.request_id, request.structured))
+                rows.append((request, request.structured))
         if not rows:
             return None
         bitmask = self._bitmask_rows(len(rows))
         for row, (_, state) in enumerate(rows):
             state.fill_bitmask(bitmask, row)
-        _release_dead_ends(bitmask, [state for _, state in rows])
-        return GrammarBitmask([request_id for request_id, _ in rows], bitmask)
+        _release_dead_ends(bitmask, rows)
+        return GrammarBitmask([request.request_id for request, _ in rows], bitmask)
 
     def _bitmask_rows(self, count: int) -> Any:
         import xgrammar as xgr
@@ -53,14 +53,36 @@ class StructuredOutputManager:
         self.compiler.shutdown()
 
 
-def _release_dead_ends(bitmask: Any, states: list[StructuredRequestState]) -> None:
-    """Rows whose grammar allows no token at all (a regex whose language is empty, a schema
-    that can never close): each such state is marked, for the scheduler to end its request
-    naming the constraint, and its row allows every token, so the sampler draws from a
-    normal distribution rather than from all -inf (the draw is then dropped)."""
-    blocked = ~bitmask.any(dim=1)
-    if not bool(blocked.any()):
-        return
-    for row in blocked.nonzero().flatten().tolist():
-        states[row].allows_no_token = True
+def _release_dead_ends(bitmask: Any, rows: list[tuple[Request, StructuredRequestState]]) -> None:
+    """Rows that leave their request no token to draw: the grammar allows none (a regex
+    whose language is empty, a schema that can never close), or only tokens min_tokens holds
+    back (a finished choice whose one continuation is EOS). Each such state records why, for
+    the scheduler to end its request naming the constraint, and its row allows every token,
+    so the sampler draws from a normal distribution rather than from all -inf (the draw is
+    then dropped)."""
+    blocked = (~bitmask.any(dim=1)).tolist()
+    for row, (request, state) in enumerate(rows):
+        if blocked[row]:
+            state.dead_end = "the constraint cannot be completed"
+        elif _only_held_back_allowed(bitmask[row], request):
+            state.dead_end = "the constraint allows no token that min_tokens does not hold back"
+        else:
+            continue
         bitmask[row] = -1  # all 32 bits of every word set
+
+
+def _only_held_back_allowed(words: Any, request: Request) -> bool:
+    """Whether every token the row allows is one min_tokens still holds back (the stop
+    token ids, and EOS unless ignored). Rare (constrained rows before min_tokens), so plain
+    Python on the row's words."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return False
+    held_back = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        held_back.update(request.eos_token_ids)
+    allowed = [word & 0xFFFFFFFF for word in words.tolist()]
+    for token_id in held_back:
+        if token_id >> 5 < len(allowed):
+            allowed[token_id >> 5] &= ~(1 << (token_id & 31))
+    return not any(allowed)

@@ -10,8 +10,8 @@ class StructuredRequestState:
     def __init__(self, grammar: Future[Any]) -> None:
         self._grammar = grammar
         self._matcher: Any = None
-        # Set when the grammar allowed no next token: the sampled one is not the request's.
-        self.allows_no_token = False
+        # Why the step left no token to draw (set with the step's bitmask), or None.
+        self.dead_end: str | None = None
 
     def is_ready(self) -> bool:
         return self._grammar.done()

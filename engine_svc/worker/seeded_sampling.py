@@ -1,13 +1,17 @@
 """Seeded rows: the exponential race, whose draw survives a nudge to the logits.
 
-A seeded request must draw the same tokens alone or in any batch. Where the model's numbers
+A seeded float32 request must draw the same tokens alone or in any batch. Where the model's numbers
 are the same bits at every batch size (the AVX-512 kernels), any draw would do; where they
 are not (the AVX2 build's projections differ by a few units in the last place between one
 row and many), the inverse-CDF draw of random_sampling.py is fragile: its cumulative sum
 carries every token's nudge, and on a flat distribution a shift of 4e-6 moved the chosen
 token one time in five (tests/engine_svc/test_sampling.py's seeded test failed there). The
 race keeps the token with the largest p / E, E an Exp(1) number of its own: a nudge changes
-the winner only where two ratios are that close.
+the winner only where two ratios are that close. In bfloat16 the logits themselves differ
+between batch sizes by far more than a nudge (the projections round to bfloat16 from sums
+taken in another order: AMX's tiles from 4 rows, dot products below), so a seeded bfloat16
+request's tokens can part from its lone run's (seen at tokens 4-20, in a batch of 6 and
+under preemption).
 
 Each token's E is a function of the row's key (from the request's seed and the output's
 index, race_key) and the token id alone: a counter-based hash, no generator state. So a

@@ -18,6 +18,7 @@ NAN = float("nan")
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),  # logits / inf: NaN where masked
+        ({"temperature": 1e39}, "temperature"),  # finite, but inf in float32
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
@@ -36,6 +37,7 @@ NAN = float("nan")
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-46}, "repetition_penalty"),  # 0 in float32: -inf * 0
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
         ({"temperature": NAN}, "temperature"),
@@ -66,6 +68,8 @@ def test_an_invalid_value_is_rejected_naming_its_field(values: dict[str, Any], f
         {"max_tokens": None, "min_tokens": 1000},
         {"max_tokens": 1, "min_tokens": 1},
         {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 0.01},
+        {"temperature": 3.4e38, "repetition_penalty": 1e-6},
+        {"repetition_penalty": 1e6},
         {"logprobs": 0},
         {"logprobs": MAX_LOGPROBS},
     ],

@@ -170,7 +170,7 @@ class ScriptedGrammar:
 
     def __init__(self, error: str | None = None) -> None:
         self._error = error
-        self.allows_no_token = False
+        self.dead_end: str | None = None
         self.accepted: list[int] = []
 
     def is_ready(self) -> bool:
@@ -213,7 +213,7 @@ def test_a_grammar_that_allows_no_token_ends_its_request_without_the_draw(
     engine.add(request)
     engine.step()
     engine.step()
-    grammar.allows_no_token = True  # as the step's bitmask found it
+    grammar.dead_end = "the constraint cannot be completed"  # as the step's bitmask found
 
     (output,) = engine.step()
 

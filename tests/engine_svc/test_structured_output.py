@@ -172,15 +172,20 @@ def test_a_constraint_no_token_can_continue_ends_its_request_naming_the_field(
     assert_kv_cache_clean(llm)
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"temperature": 1.0, "top_k": 5}, {"temperature": 1.0, "seed": 5}],
+)
 def test_a_constraint_that_only_min_tokens_blocks_ends_its_request_naming_the_field(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, sampling: dict[str, float]
 ) -> None:
-    # Once "yes" or "no" is out, the grammar allows EOS alone, which min_tokens holds back.
+    # Once "yes" or "no" is out, the grammar allows EOS alone, which min_tokens holds back:
+    # the step has nothing to draw from, on every sampling path.
     llm = LLM(str(tiny_model_dir), max_model_len=256)
-    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8, choice=["yes", "no"])
+    params = SamplingParams(max_tokens=16, min_tokens=8, choice=["yes", "no"], **sampling)
 
     (output,) = llm.generate(["Answer:"], params)
 
     assert output.finish_reason == "error" and output.text in ("yes", "no")
-    assert output.error is not None and "none that min_tokens does not hold back" in output.error
+    assert output.error is not None and "no token that min_tokens does not hold" in output.error
     assert_kv_cache_clean(llm)

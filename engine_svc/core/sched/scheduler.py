@@ -239,23 +239,18 @@ class Scheduler:
     @staticmethod
     def _grammar_takes(request: Request, token_id: int) -> bool:
         """Feed the sampled token to the request's grammar. False when the step left the
-        request no token at all: its grammar allowed none, or none that min_tokens does not
-        hold back (the sampler then drew from nothing, and the draw is not the request's)."""
+        request no token to draw (the structured-output manager found why while building the
+        step's bitmask), or the draw is one the grammar refuses."""
         assert request.structured is not None
-        return not request.structured.allows_no_token and request.structured.accept(token_id)
+        return request.structured.dead_end is None and request.structured.accept(token_id)
 
     def _end_dead_end(self, request: Request) -> EngineCoreOutput:
         """End a request whose constraint allows no next token (alone, or with the end
         tokens min_tokens holds back): its own input's fault, so the output names the
         constraint's field (INVALID_ARGUMENT), and the token sampled for it, which the
         constraint forbids, is not its."""
-        grammar_alone = request.structured is not None and request.structured.allows_no_token
-        held_back = request.sampling_params.min_tokens > request.num_output_tokens
-        why = (
-            "the constraint allows none that min_tokens does not hold back"
-            if held_back and not grammar_alone
-            else "the constraint cannot be completed"
-        )
+        assert request.structured is not None
+        why = request.structured.dead_end or "the constraint refused the token drawn"
         request.error = (
             f"no token can follow the {request.num_output_tokens} generated so far: {why}"
         )
