@@ -36,9 +36,7 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
         raise InvalidRequestError(
             "stop_token_ids", f"token id {outside} is not in [0, {limits.vocab_size})"
         )
-    held_back = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        held_back.update(limits.eos_token_ids)
+    held_back = params.ending_token_ids(limits.eos_token_ids)
     if params.min_tokens > 0 and len(held_back) >= limits.vocab_size:
         raise InvalidRequestError(
             "stop_token_ids",

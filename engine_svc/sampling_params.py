@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from shared.errors import InvalidRequestError
@@ -55,6 +57,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.choice is not None:
             return ("choice", "\x00".join(self.choice))
         return None
+
+    def ending_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """The tokens that would end the request: its stop token ids, and EOS unless it
+        ignores EOS. min_tokens holds these back."""
+        ending = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ending.update(eos_token_ids)
+        return ending
 
     @property
     def has_penalties(self) -> bool:

@@ -78,11 +78,8 @@ def _only_held_back_allowed(words: Any, request: Request) -> bool:
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
         return False
-    held_back = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        held_back.update(request.eos_token_ids)
     allowed = [word & 0xFFFFFFFF for word in words.tolist()]
-    for token_id in held_back:
+    for token_id in params.ending_token_ids(request.eos_token_ids):
         if token_id >> 5 < len(allowed):
             allowed[token_id >> 5] &= ~(1 << (token_id & 31))
     return not any(allowed)

@@ -38,10 +38,7 @@ class RunnerRequestState:
     ) -> RunnerRequestState:
         held_back: tuple[int, ...] = ()
         if sampling_params.min_tokens:
-            ending = set(sampling_params.stop_token_ids)
-            if not sampling_params.ignore_eos:
-                ending.update(eos_token_ids)
-            held_back = tuple(sorted(ending))
+            held_back = tuple(sorted(sampling_params.ending_token_ids(eos_token_ids)))
         return cls(sampling_params, num_prompt_tokens, token_ids, block_ids, held_back)
 
     def sampling_row(self) -> SamplingRow:
