@@ -16,6 +16,11 @@ class EngineDeadError(RuntimeError):
     """The engine core process died or failed; in-flight requests cannot finish (UNAVAILABLE)."""
 
 
+class RequestFailedError(RuntimeError):
+    """An engine failed this one request and goes on serving the others (INTERNAL): a fault
+    of the engine that the request met, so another engine would most likely meet it too."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many waiting requests (RESOURCE_EXHAUSTED). `retry_after_s`: when a client may
     try again, sent as gRPC's retry pushback."""

@@ -18,6 +18,7 @@ from shared.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     MessageTooLargeError,
+    RequestFailedError,
     StreamStalledError,
     TokenRevokedError,
 )
@@ -54,12 +55,16 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(error)
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out"
+    if isinstance(error, RequestFailedError):
+        return grpc.StatusCode.INTERNAL, str(error)  # the engine logged its own traceback
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
     code, message = status_for(error)
-    if code == grpc.StatusCode.INTERNAL:
+    if isinstance(error, RequestFailedError):
+        logger.warning("%s", error)
+    elif code == grpc.StatusCode.INTERNAL:
         logger.error("internal error in a gRPC method", exc_info=error)
     if isinstance(error, EngineOverloadedError):
         # gRPC's own retry hint (gRFC A6): clients with a retry policy wait this long.

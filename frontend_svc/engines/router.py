@@ -1,7 +1,8 @@
 """Engine calls for one choice: on the least-loaded healthy engine, retried on another when an
-engine fails before its first response, and cancelled (so the engine aborts the request)
-whenever the caller stops listening. A request goes over the engine's shared GenerateMany
-call (multiplexer.py), or its own Generate call where the engine has no GenerateMany."""
+engine fails before its first response (not when the engine ends the request with
+FINISH_REASON_ERROR: that concerns the request alone), and cancelled (so the engine aborts
+the request) whenever the caller stops listening. A request goes over the engine's shared
+GenerateMany call (multiplexer.py), or its own Generate call where the engine has none."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from frontend_svc.engines.multiplexer import (
 )
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
-from shared.errors import EngineUnavailableError
+from shared.errors import EngineUnavailableError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,13 @@ SUSPEND_AFTER_FAILURE_S = 2.0
 
 
 class EngineRequestFailed(Exception):
-    """The engine ended the request with FINISH_REASON_ERROR."""
+    """The engine call failed under the request (its channel closed): the engine's trouble."""
+
+
+class _FailedInEngine(Exception):
+    """The engine ended the request with FINISH_REASON_ERROR: a fault this one request met
+    while the engine goes on serving others, so it is neither retried nor held against the
+    engine (INTERNAL to the client)."""
 
 
 class Cancellable(Protocol):
@@ -99,6 +106,9 @@ class EngineRouter:
                 failure = classify_status(error.code, error.details, endpoint.address, has_output)
             except EngineRequestFailed as error:
                 failure = _request_failed(endpoint.address, str(error), has_output)
+            except _FailedInEngine as error:
+                message = f"engine {endpoint.address} failed the request: {error}"
+                raise RequestFailedError(message) from None
             if not failure.is_retriable:
                 raise failure.error
             logger.warning("retrying %s elsewhere: %s", request.request_id, failure.error)
@@ -175,7 +185,7 @@ class EngineRouter:
 
 def _checked(output: EngineOutput) -> EngineOutput:
     if output.finish_reason == FinishReason.ERROR:
-        raise EngineRequestFailed(output.error or "the engine failed the request")
+        raise _FailedInEngine(output.error or "no reason given")
     return output
 
 

@@ -24,7 +24,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     """`mode`: "ok" (emit `tokens` one per message), "fail_before", "fail_after" (one token,
     then UNAVAILABLE: on GenerateMany, the whole call), "fail_after_alone" (the same, but
-    on GenerateMany only the request's own error entry), "hang" (never answer), "invalid".
+    on GenerateMany only the request's own error entry), "hang" (never answer), "invalid",
+    "error" (FINISH_REASON_ERROR at once: the engine failed that request alone, as an
+    exception in admitting it does).
     With `hold_after`, an "ok" stream emits that many tokens, then holds until the frontend
     cancels it: a test that checks for the cancel never races the stream's own end, however
     slow the machine. "unimplemented_later" ends a GenerateMany call UNIMPLEMENTED at its
@@ -152,6 +154,13 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p: bad")
         if self.mode == "hang":
             await _until_cancelled()
+        if self.mode == "error":
+            yield pb.GenerateResponse(
+                request_id=request.request_id,
+                finish_reason=pb.FINISH_REASON_ERROR,
+                error="RuntimeError: a fault this request met",
+            )
+            return
         limit = request.sampling_params.max_tokens or len(self.tokens)
         for count, token in enumerate(self.tokens[:limit], start=1):
             last = count == limit
@@ -161,6 +170,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             )
             if self.mode in ("fail_after", "fail_after_alone"):
                 raise _Failure(grpc.StatusCode.UNAVAILABLE, "engine core died")
+
             if count == self.hold_after:
                 await _until_cancelled()
 

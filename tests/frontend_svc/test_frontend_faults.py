@@ -147,6 +147,40 @@ def test_an_engine_failing_after_the_first_token_ends_the_request_unavailable(
     run(body)
 
 
+def test_a_request_the_engine_fails_alone_is_internal_and_the_engine_stays_in(
+    tokenizer: Tokenizer, tokens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Were the engine suspended for it, it would stay out for the whole test.
+    monkeypatch.setattr(router, "SUSPEND_AFTER_FAILURE_S", 3600.0)
+
+    async def body() -> None:
+        failing = await FakeEngine(tokens, "error").start()
+        healthy = await FakeEngine(tokens).start()
+        async with frontend_for([failing, healthy], tokenizer) as stub:
+            codes = []
+            for _ in range(4):  # equal loads: the two engines take turns
+                try:
+                    async for _response in stub.GenerateStream(request(), timeout=10):
+                        pass
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+                    assert error.details() == (
+                        f"engine {failing.address} failed the request: "
+                        "RuntimeError: a fault this request met"
+                    )
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert sorted(codes, key=str) == [grpc.StatusCode.INTERNAL] * 2 + [grpc.StatusCode.OK] * 2
+        # Each request went to one engine only (not retried on the other), and the failing
+        # engine kept its turns (not suspended).
+        assert (len(failing.calls), len(healthy.calls)) == (2, 2)
+        assert info.num_healthy_engines == 2
+        await failing.stop()
+        await healthy.stop()
+
+    run(body)
+
+
 def test_no_healthy_engine_is_unavailable(tokenizer: Tokenizer, tokens: list[int]) -> None:
     async def body() -> None:
         engine = await FakeEngine(tokens).start()
