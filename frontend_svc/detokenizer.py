@@ -7,6 +7,10 @@ space). So each step decodes a small window twice, with and without the new toke
 emits the difference; the window starts at the last point where text was emitted, which is
 on a character boundary. Text before a character the tokens have only begun is final, and
 goes out at once: a stop string that ends there ends at the token that completed it.
+
+Special tokens that decoding skips never enter the window: the tokenizer drops them before
+its decoder runs, so the text is the same, and a long run of them (a model repeating its end
+token under ignore_eos) costs a set lookup each instead of re-decoding a growing window.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ REPLACEMENT_CHAR = "\ufffd"  # what decoders write for bytes that are not (yet) 
 
 
 class Decoder(Protocol):
+    # The ids decode(..., skip_special_tokens=True) leaves out.
+    special_token_ids: frozenset[int]
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str: ...
 
 
@@ -28,7 +35,8 @@ class IncrementalDetokenizer:
     def __init__(self, decoder: Decoder, skip_special_tokens: bool = True) -> None:
         self.decoder = decoder
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.skipped_ids = decoder.special_token_ids if skip_special_tokens else frozenset()
+        self.token_ids: list[int] = []  # the output's, less those decoding skips
         # token_ids[prefix_offset:read_offset] decode to the text emitted last; tokens from
         # read_offset on have not been emitted yet, except the first `emitted` characters
         # of their text: those before a character they have only begun.
@@ -37,6 +45,8 @@ class IncrementalDetokenizer:
         self.emitted = 0
 
     def add(self, token_id: int) -> str:
+        if token_id in self.skipped_ids:
+            return ""
         self.token_ids.append(token_id)
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text):

@@ -41,6 +41,12 @@ class Tokenizer:
         # once here, not at every decode (the streaming detokenizer decodes every token).
         is_bpe = type(backend.model).__name__ == "BPE"
         self._clean_up_decoded = clean_up_tokenization_spaces and not is_bpe
+        # The ids decode(..., skip_special_tokens=True) leaves out: added tokens marked special.
+        self.special_token_ids = frozenset(
+            token_id
+            for token_id, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        )
 
     @classmethod
     def load(cls, directory: Path) -> Tokenizer:

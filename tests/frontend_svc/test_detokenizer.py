@@ -3,6 +3,8 @@ ever ends inside a character, whatever the tokens (random ones included)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -86,3 +88,38 @@ def test_joined_deltas_equal_decoding_the_whole_output(
     assert "".join(deltas) == tokenizer.decode(token_ids, skip_special_tokens)
     # Mid-stream, never a partial character at the end of a delta.
     assert not any(delta.endswith(REPLACEMENT_CHAR) for delta in deltas[:-1])
+
+
+class CountingDecoder:
+    """The tokenizer, counting the token ids each decode is given."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.special_token_ids = tokenizer.special_token_ids
+        self.tokens_decoded = 0
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        self.tokens_decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_long_run_of_special_tokens_costs_no_more_than_other_tokens(
+    tokenizer: Tokenizer, skip_special_tokens: bool
+) -> None:
+    # A model repeating its end token under ignore_eos: with skip_special_tokens, each used
+    # to re-decode a window that grew with every one of them (quadratic in the run).
+    token_ids = [*tokenizer.encode("Hi"), *[2] * 2000, *tokenizer.encode(" there")]
+    decoder = CountingDecoder(tokenizer)
+    detokenizer = IncrementalDetokenizer(decoder, skip_special_tokens)
+    text = "".join([*(detokenizer.add(t) for t in token_ids), detokenizer.flush()])
+    assert text == tokenizer.decode(token_ids, skip_special_tokens)
+    assert decoder.tokens_decoded <= 8 * len(token_ids)
+
+
+def test_the_special_ids_are_those_decoding_skips(tokenizer: Tokenizer) -> None:
+    assert tokenizer.special_token_ids == frozenset(range(17))  # <|endoftext|> .. <empty_output>
+    for token_id in range(tokenizer.vocab_size):
+        skipped = tokenizer.decode([token_id], skip_special_tokens=True) == ""
+        kept = tokenizer.decode([token_id], skip_special_tokens=False) != ""
+        assert (skipped and kept) == (token_id in tokenizer.special_token_ids), token_id
