@@ -4,8 +4,8 @@ at start-up. The core then trusts the typed request it is given and checks nothi
 
 A request that could never finish is refused here, naming the field: sampling parameters out
 of range, a constraint that does not parse, an empty prompt or unknown token ids (in the
-prompt or stop_token_ids), a prompt and max_tokens (or min_tokens) that do not fit the model
-length or the KV cache.
+prompt, stop_token_ids or logit_bias), a prompt and max_tokens (or min_tokens) that do not
+fit the model length or the KV cache.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
     if outside is not None:
         raise InvalidRequestError(
             "stop_token_ids", f"token id {outside} is not in [0, {limits.vocab_size})"
+        )
+    # The sampler indexes the logits with these too.
+    biased = next((t for t in params.logit_bias or () if t >= limits.vocab_size), None)
+    if biased is not None:
+        raise InvalidRequestError(
+            "logit_bias", f"token id {biased} is not in [0, {limits.vocab_size})"
         )
     held_back = params.ending_token_ids(limits.eos_token_ids)
     if params.min_tokens > 0 and len(held_back) >= limits.vocab_size:

@@ -16,6 +16,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # Temperatures under this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+# A logit bias is in [-100, 100], as OpenAI's API and vLLM's gRPC contract bound it.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -35,6 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    # Added to these tokens' logits before penalties, temperature and the draw (vLLM's and
+    # OpenAI's logit_bias); logprobs stay the model's own.
+    logit_bias: dict[int, float] | None = None
     # Structured output: at most one of these constrains what may be generated.
     json_schema: str | None = None  # a JSON Schema, as text
     json_object: bool = False  # any JSON object
@@ -102,6 +107,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             _check(
                 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
+            )
+        if self.logit_bias:
+            _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "token ids must be >= 0")
+            _check(
+                all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+                "logit_bias",
+                f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             )
         self._validate_constraint()
 

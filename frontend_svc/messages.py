@@ -40,6 +40,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     # Structured output (at most one), enforced by the engine.
     json_schema: str | None = None
     json_object: bool = False

@@ -19,6 +19,7 @@ from shared.protos import engine_pb2 as pb
 # request is refused naming its field rather than by the transport.
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABORT_IDS = 10_000
 
 _OptionalField = Literal["temperature", "top_p", "seed", "repetition_penalty", "logprobs"]
@@ -61,6 +62,11 @@ def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
     )
     options["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else None
     options["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logit_bias:
+        _check_size(
+            "sampling_params.logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries"
+        )
+        options["logit_bias"] = dict(params.logit_bias)
     options.update(_constraint_options(params))
     # Checked by the engine client that takes the request (engine_svc/admission.py), in this
     # process: a bad value, schema or regex never reaches the engine's busy loop.

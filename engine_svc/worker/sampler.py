@@ -5,9 +5,9 @@ then one uniform draw each picks from the distribution (random_sampling.py). A s
 races Exp(1) numbers hashed from (seed, output index, token id) instead (seeded_sampling.py),
 so its tokens do not depend on what else is in the batch, on preemption, or on pipelining,
 even where the logits move in their last bits with the batch.
-Until a request has min_tokens output tokens, the tokens that would end it are masked out.
-Logprobs are those of the raw model output (before masks, penalties and temperature), as
-vLLM's default.
+Until a request has min_tokens output tokens, the tokens that would end it are masked out;
+then its logit_bias is added, then its penalties apply. Logprobs are those of the raw model
+output (before masks, biases, penalties and temperature), as vLLM's default.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ class Sampler:
             # value, so no index, and costs a copy of [rows, vocab] floats every step.
             return self._argmax(logits).tolist(), [None] * len(rows)
         raw = logits  # the model's output, whose log-probabilities a request may want
-        if any(r.banned_token_ids or r.params.has_penalties for r in rows):
-            # One float32 copy, which the masks and penalties change in place (else the
-            # temperature's division makes the float32 copy).
+        if any(r.banned_token_ids or r.params.logit_bias or r.params.has_penalties for r in rows):
+            # One float32 copy, which the masks, biases and penalties change in place (else
+            # the temperature's division makes the float32 copy).
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             if any(r.banned_token_ids for r in rows):
                 _mask_banned_(logits, rows)
+            if any(r.params.logit_bias for r in rows):
+                _add_logit_bias_(logits, rows)
             if any(r.params.has_penalties for r in rows):
                 apply_penalties_(
                     logits,
@@ -182,7 +184,13 @@ def _filters(row: SamplingRow) -> RowFilters:
 
 def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy, with nothing to change in the logits first."""
-    return row.params.is_greedy and not row.banned_token_ids and not row.params.has_penalties
+    params = row.params
+    return (
+        params.is_greedy
+        and not row.banned_token_ids
+        and not params.logit_bias
+        and not params.has_penalties
+    )
 
 
 def _mask_banned_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -191,3 +199,14 @@ def _mask_banned_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
+
+
+def _add_logit_bias_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Each row's logit_bias added to its float32 logits, in place (after the min_tokens
+    mask, so a held-back token stays -inf; before penalties and temperature, as vLLM)."""
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            token_ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=torch.float32, device=logits.device)
+            logits[i].index_add_(0, token_ids, values)

@@ -35,7 +35,9 @@ def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
 
 
 def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
-    params = pb.SamplingParams(stop_token_ids=sampling.stop_token_ids)
+    params = pb.SamplingParams(
+        stop_token_ids=sampling.stop_token_ids, logit_bias=dict(sampling.logit_bias)
+    )
     for name in _PLAIN_FIELDS:
         setattr(params, name, getattr(sampling, name))
     for name in _OPTIONAL_FIELDS:

@@ -63,6 +63,7 @@ def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
     return SamplingOptions(
         **options,  # type: ignore[arg-type]
         stop_token_ids=tuple(params.stop_token_ids),
+        logit_bias=tuple(params.logit_bias.items()),
         n=params.n if params.HasField("n") else 1,
         stop=tuple(params.stop),
         skip_special_tokens=(

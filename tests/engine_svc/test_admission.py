@@ -60,6 +60,9 @@ def test_admission_accepts_a_request_that_fits_exactly(
         ({"stop_token_ids": [VOCAB_SIZE], "min_tokens": 1}, "stop_token_ids"),
         # Held back until min_tokens, they would leave nothing to sample.
         ({"stop_token_ids": list(range(VOCAB_SIZE)), "min_tokens": 1}, "stop_token_ids"),
+        # The sampler indexes the logits with these.
+        ({"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
     ],
 )
 def test_admission_checks_the_sampling_parameters(

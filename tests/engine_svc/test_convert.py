@@ -26,7 +26,7 @@ def test_every_sampling_field_comes_across() -> None:
     message = pb.SamplingParams(
         max_tokens=9, temperature=0.5, top_p=0.75, top_k=4, min_p=0.25, seed=3,
         stop_token_ids=[8, 9], ignore_eos=True, min_tokens=2, presence_penalty=0.5,
-        frequency_penalty=-0.5, repetition_penalty=1.5, logprobs=2,
+        frequency_penalty=-0.5, repetition_penalty=1.5, logprobs=2, logit_bias={4: -2.5},
     )  # fmt: skip
     params = convert.to_sampling_params(message)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (9, 0.5, 0.75, 4)
@@ -34,6 +34,7 @@ def test_every_sampling_field_comes_across() -> None:
     assert (params.ignore_eos, params.min_tokens, params.logprobs) == (True, 2, 2)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert params.repetition_penalty == 1.5
+    assert params.logit_bias == {4: -2.5}
 
 
 def test_errors_name_the_field_as_the_client_spells_it() -> None:
@@ -42,6 +43,13 @@ def test_errors_name_the_field_as_the_client_spells_it() -> None:
     with pytest.raises(InvalidRequestError) as caught, convert.proto_field_names():
         params.validate()
     assert caught.value.field == "sampling_params.top_p"
+
+
+def test_more_logit_biases_than_the_limit_are_refused_by_name() -> None:
+    biases = dict.fromkeys(range(convert.MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)
+    with pytest.raises(InvalidRequestError) as caught:
+        convert.to_sampling_params(pb.SamplingParams(logit_bias=biases))
+    assert caught.value.field == "sampling_params.logit_bias"
 
 
 def test_an_empty_request_id_gets_one_made_up() -> None:

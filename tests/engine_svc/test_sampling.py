@@ -124,6 +124,74 @@ def test_banned_tokens_are_never_sampled() -> None:
         assert tokens[0] != 7 and tokens[1] != 7 and tokens[2] == 7
 
 
+def test_logit_bias_moves_the_draw_and_not_the_logprobs() -> None:
+    logits = torch.zeros(4, 16)
+    logits[:, 7], logits[:, 3] = 5.0, 4.0
+    biased = {7: -0.5, 3: 0.5625}  # 4.5 against 4.5625: token 3 now leads, by a hair
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=0.0, logit_bias=biased, logprobs=1), 0, [1], []),
+        # Seeded and unseeded draws see the bias too: +100 makes token 11 all but certain.
+        SamplingRow(SamplingParams(temperature=1.0, seed=5, logit_bias={11: 100.0}), 0, [1], []),
+        SamplingRow(SamplingParams(temperature=1.0, logit_bias={11: 100.0}), 0, [1], []),
+    ]
+    tokens, logprobs = Sampler(torch.device("cpu"))(logits, rows)
+    assert tokens == [7, 3, 11, 11]
+    entry = logprobs[1]
+    assert entry is not None and entry.token_id == 3
+    # The model's own distribution: token 3 is second there, at its unbiased logprob.
+    assert entry.rank == 2 and entry.top_token_ids == [7]
+    assert entry.logprob == pytest.approx(torch.log_softmax(logits[1], -1)[3].item())
+
+
+def test_logit_bias_comes_after_the_min_tokens_mask_and_before_penalties() -> None:
+    logits = torch.zeros(2, 16)
+    logits[:, 7], logits[:, 3] = 2.0, 1.0
+    # A held-back token stays out whatever its bias.
+    held_back = SamplingParams(temperature=0.0, logit_bias={7: 100.0})
+    # Biased to 3.0 before a repetition penalty of 2 halves it to 1.5: token 3 loses to 7's
+    # 2.0 (penalizing first, then biasing, would give 0.5 + 2.5 = 3.0 and pick it).
+    penalized = SamplingParams(temperature=0.0, logit_bias={3: 2.0}, repetition_penalty=2.0)
+    rows = [
+        SamplingRow(held_back, 0, [1], [], banned_token_ids=(7,)),
+        SamplingRow(penalized, 1, [1], [3]),
+    ]
+    tokens, _ = Sampler(torch.device("cpu"))(logits, rows)
+    assert tokens == [3, 7]
+
+
+def test_greedy_with_logit_bias_equals_hf_sequence_bias(llm: LLM, tiny_model_dir: Path) -> None:
+    """transformers' SequenceBiasLogitsProcessor adds the same float32 biases to the same
+    float32 logits: greedy outputs stay equal token for token."""
+    prompts = _prompts(4, seed=21)
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=2))
+    # Lift each prompt's second most likely first token just past the first (logit gaps are
+    # logprob gaps), and push an arbitrary token down.
+    outputs, expected, runners_up = [], [], []
+    hf = load_hf_model(tiny_model_dir)
+    for prompt, out in zip(prompts, plain, strict=True):
+        assert out.logprobs is not None
+        top = out.logprobs[0]
+        runner_up = top.top_token_ids[1]
+        runners_up.append(runner_up)
+        bias = {runner_up: top.top_logprobs[0] - top.top_logprobs[1] + 0.01, 4321: -1.25}
+        params = SamplingParams(temperature=0.0, max_tokens=12, logit_bias=bias)
+        outputs.append(llm.generate([prompt], params)[0].token_ids)
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            generated = hf.generate(  # type: ignore[operator]
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                sequence_bias={(t,): b for t, b in bias.items()},
+            )
+        expected.append(generated[0, len(prompt) :].tolist())
+    assert outputs == expected
+    assert [o[0] for o in outputs] == runners_up
+    assert_kv_cache_clean(llm)
+
+
 def test_min_tokens_masks_eos_until_reached(llm: LLM, tiny_model_dir: Path, tmp_path: Path) -> None:
     """A prompt whose greedy output is EOS at once: with min_tokens, exactly min_tokens
     tokens come out, none of them EOS (masked, not merely ignored when sampled)."""

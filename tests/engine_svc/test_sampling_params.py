@@ -46,6 +46,11 @@ NAN = float("nan")
         ({"presence_penalty": NAN}, "presence_penalty"),
         ({"frequency_penalty": NAN}, "frequency_penalty"),
         ({"repetition_penalty": NAN}, "repetition_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 100.01}}, "logit_bias"),
+        ({"logit_bias": {5: -100.01}}, "logit_bias"),
+        ({"logit_bias": {5: NAN}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
     ],
 )
 def test_an_invalid_value_is_rejected_naming_its_field(values: dict[str, Any], field: str) -> None:
@@ -72,6 +77,8 @@ def test_an_invalid_value_is_rejected_naming_its_field(values: dict[str, Any], f
         {"repetition_penalty": 1e6},
         {"logprobs": 0},
         {"logprobs": MAX_LOGPROBS},
+        {"logit_bias": {0: -100.0, 49151: 100.0}},
+        {"logit_bias": {}},
     ],
 )
 def test_values_at_the_limits_are_accepted(values: dict[str, Any]) -> None:
@@ -108,6 +115,7 @@ def test_a_msgpack_round_trip_keeps_every_value() -> None:
         frequency_penalty=-0.5,
         repetition_penalty=1.2,
         logprobs=5,
+        logit_bias={7: -3.5, 49151: 100.0},
     )
 
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)

@@ -64,6 +64,12 @@ def test_set_fields_pass_through() -> None:
     assert params.regex == "a+"
 
 
+def test_logit_bias_passes_through() -> None:
+    params = convert.to_sampling_params(vpb.SamplingParams(logit_bias={5: -100.0, 7: 2.5}))
+    assert params.logit_bias == {5: -100.0, 7: 2.5}
+    assert convert.to_sampling_params(vpb.SamplingParams()).logit_bias is None
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     request = convert.to_engine_request(generate_request(truncate_prompt_tokens=2))
     assert request.prompt_token_ids == [2, 3]
@@ -76,7 +82,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
         (vpb.GenerateRequest(tokenized=vpb.TokenizedInput()), "tokenized.input_ids"),
         (generate_request(n=2), "sampling_params.n"),
         (generate_request(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
-        (generate_request(logit_bias={5: 1.0}), "sampling_params.logit_bias"),
+        (generate_request(logit_bias={-5: 1.0}), "sampling_params.logit_bias"),
+        (generate_request(logit_bias={49152: 1.0}), "sampling_params.logit_bias"),
+        (generate_request(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
+        (
+            generate_request(logit_bias=dict.fromkeys(range(1025), 1.0)),
+            "sampling_params.logit_bias",
+        ),
         (generate_request(grammar="root ::= 'a'"), "sampling_params.grammar"),
         (generate_request(truncate_prompt_tokens=-1), "sampling_params.truncate_prompt_tokens"),
         (generate_request(top_p=1.5), "sampling_params.top_p"),

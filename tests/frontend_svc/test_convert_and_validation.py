@@ -22,12 +22,14 @@ def test_unset_fields_take_their_defaults() -> None:
     assert (request.prompt, request.prompt_token_ids, request.messages) == ("hi", None, None)
     assert (sampling.n, sampling.skip_special_tokens, sampling.stop) == (1, True, ())
     assert (sampling.temperature, sampling.max_tokens, sampling.seed) == (None, None, None)
+    assert sampling.logit_bias == ()
 
 
 def test_sampling_fields_reach_the_engine_request_and_choices_get_their_seeds() -> None:
     params = pb.SamplingParams(
         max_tokens=9, temperature=0.0, top_p=0.5, top_k=3, seed=7, stop_token_ids=[4],
         ignore_eos=True, min_tokens=1, logprobs=0, n=3, stop=["x"], skip_special_tokens=False,
+        logit_bias={5: -1.5, 6: 2.0},
     )  # fmt: skip
     sampling = convert.to_sampling_options(params)
     assert (sampling.n, sampling.stop, sampling.skip_special_tokens) == (3, ("x",), False)
@@ -40,6 +42,7 @@ def test_sampling_fields_reach_the_engine_request_and_choices_get_their_seeds() 
     assert engine_params.HasField("logprobs") and engine_params.logprobs == 0
     assert not engine_params.HasField("repetition_penalty")  # the engine's default
     assert list(engine_params.stop_token_ids) == [4] and engine_params.ignore_eos
+    assert dict(engine_params.logit_bias) == {5: -1.5, 6: 2.0}
 
 
 def test_engine_outputs_convert_with_finish_and_stop_token() -> None:

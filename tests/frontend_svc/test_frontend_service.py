@@ -263,6 +263,16 @@ def test_logprobs_come_with_each_token(services: Services) -> None:
     assert all(lp.rank == 1 and lp.logprob <= 0 for lp in choice.logprobs)  # greedy
 
 
+def test_logit_bias_reaches_the_engine_for_every_choice(services: Services) -> None:
+    # +100 on one token makes it every greedy choice, whatever the model says; the logprobs
+    # stay the model's own (the biased token is not its top one).
+    params = greedy(5, logprobs=1, n=2, logit_bias={1234: 100.0}, ignore_eos=True)
+    request = pb.GenerateRequest(prompt="Logit bias", sampling_params=params)
+    response = generate_all(services.frontend.address, [request])[0]
+    assert [list(c.token_ids) for c in response.choices] == [[1234] * 5] * 2
+    assert all(lp.rank > 1 for c in response.choices for lp in c.logprobs)
+
+
 def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, Any]) -> None:
     model, tokenizer = hf
     messages = [{"role": "user", "content": "Hello! 你好 😀"}]
@@ -295,6 +305,10 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
         ({"prompt": "word " * 1100}, "prompt"),
         ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids"),
         ({"messages": [pb.ChatMessage(role="", content="x")]}, "messages[0].role"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(logit_bias={49152: 1.0})},
+         "sampling_params.logit_bias"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(logit_bias={5: -101.0})},
+         "sampling_params.logit_bias"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(regex="[0-9")},
          "sampling_params.regex"),  # refused by the engine's server before its busy loop
         ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},

@@ -63,6 +63,13 @@ def test_streamed_and_whole_generate_agree(stub: vllm_engine_pb2_grpc.VllmEngine
     assert whole.complete.prompt_tokens == 4 and whole.complete.completion_tokens == 8
 
 
+def test_logit_bias_moves_the_tokens(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+    bias = {1234: 100.0, 5678: -100.0}  # far above and far below the model's own choices
+    request = generate_request("biased", 4, stream=False, logit_bias=bias)
+    [whole] = stub.Generate(request, timeout=60)
+    assert list(whole.complete.output_ids) == [1234] * 4
+
+
 def test_abort_ends_the_stream_as_aborted(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:

@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine_svc.control_messages import EngineInfo
 from engine_svc.messages import EngineCoreRequest
 from engine_svc.sampling_params import SamplingParams
-from engine_svc.server.convert import MAX_ABORT_IDS, MAX_REQUEST_ID_CHARS
+from engine_svc.server.convert import MAX_ABORT_IDS, MAX_LOGIT_BIAS_ENTRIES, MAX_REQUEST_ID_CHARS
 from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
@@ -95,6 +95,11 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
         "logprobs": params.logprobs if params.HasField("logprobs") else None,
         "seed": params.seed if params.HasField("seed") else None,
     }
+    if params.logit_bias:
+        _check_at_most(
+            "sampling_params.logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries"
+        )
+        options["logit_bias"] = dict(params.logit_bias)
     options.update(_constraint_options(params))
     return SamplingParams(**options)  # checked by the engine client (engine_svc/admission.py)
 
@@ -103,7 +108,6 @@ def _refuse_unsupported_sampling(params: vpb.SamplingParams) -> None:
     unsupported = {
         "n": (params.n > 1, "only 1 is supported; send n requests"),
         "prompt_logprobs": (params.HasField("prompt_logprobs"), "not supported"),
-        "logit_bias": (len(params.logit_bias) > 0, "not supported"),
     }
     kind = params.WhichOneof("constraint")
     if kind is not None and kind not in _SUPPORTED_CONSTRAINTS:
