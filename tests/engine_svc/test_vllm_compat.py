@@ -80,7 +80,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     [
         (vpb.GenerateRequest(text="hello"), "tokenized"),
         (vpb.GenerateRequest(tokenized=vpb.TokenizedInput()), "tokenized.input_ids"),
-        (generate_request(n=2), "sampling_params.n"),
         (generate_request(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
         (generate_request(logit_bias={-5: 1.0}), "sampling_params.logit_bias"),
         (generate_request(logit_bias={49152: 1.0}), "sampling_params.logit_bias"),

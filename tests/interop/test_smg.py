@@ -52,6 +52,21 @@ def test_greedy_completion_matches_frontend(
     assert completion.usage.prompt_tokens == ours.usage.prompt_tokens
 
 
+def test_n_completions_through_smg(
+    openai_client: OpenAI, frontend: FrontendProcess, model_name: str
+) -> None:
+    # smg sends n on vLLM's contract; the engine runs n sequences and tags each by index.
+    completion = openai_client.completions.create(
+        model=model_name, prompt=PROMPT, temperature=0, max_tokens=8, n=3
+    )
+    ours = frontend_generate(
+        frontend, prompt=PROMPT, sampling_params=fpb.SamplingParams(temperature=0, max_tokens=8)
+    )
+    assert sorted(choice.index for choice in completion.choices) == [0, 1, 2]
+    assert [choice.text for choice in completion.choices] == [ours.choices[0].text] * 3
+    assert completion.usage is not None and completion.usage.completion_tokens == 24
+
+
 def test_streamed_chat_completion(
     openai_client: OpenAI, frontend: FrontendProcess, model_name: str
 ) -> None:

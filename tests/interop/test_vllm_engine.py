@@ -70,6 +70,47 @@ def test_logit_bias_moves_the_tokens(stub: vllm_engine_pb2_grpc.VllmEngineStub) 
     assert list(whole.complete.output_ids) == [1234] * 4
 
 
+def test_n_sequences_stream_with_their_index_each_as_its_own_seeded_request(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    request = generate_request("n3", 6, True, n=3, seed=40, top_k=50)
+    request.sampling_params.temperature = 1.0
+    responses = list(stub.Generate(request, timeout=60))
+    chunks = [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
+    completes = [r.complete for r in responses if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in completes) == [0, 1, 2]
+    for complete in completes:
+        streamed = [t for c in chunks if c.index == complete.index for t in c.token_ids]
+        assert list(complete.output_ids) == streamed and len(streamed) == 6
+        # vLLM's parallel sampling: sequence i samples as a request of its own with seed + i.
+        alone = generate_request(f"alone-{complete.index}", 6, False, seed=40 + complete.index)
+        alone.sampling_params.temperature, alone.sampling_params.top_k = 1.0, 50
+        [whole] = stub.Generate(alone, timeout=60)
+        assert list(whole.complete.output_ids) == streamed
+    assert len({tuple(c.output_ids) for c in completes}) > 1  # the seeds differ
+
+
+def test_abort_of_an_n_request_aborts_every_sequence(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
+) -> None:
+    completes: list[vpb.GenerateComplete] = []
+
+    def abort_after_first_chunk() -> None:
+        with engine.paused():  # the sequences run only the steps they are given
+            responses = stub.Generate(
+                generate_request("n-abort", 900, True, n=2, ignore_eos=True), timeout=60
+            )
+            engine.step_while(lambda: next(responses))
+            stub.Abort(vpb.AbortRequest(request_ids=["n-abort"]), timeout=5)
+            rest = list(responses)  # a paused engine still takes aborts
+            completes.extend(r.complete for r in rest if r.WhichOneof("response") == "complete")
+
+    generated = engine.tokens_of_a_request_ended_while_paused(abort_after_first_chunk)
+    assert sorted(c.index for c in completes) == [0, 1]
+    assert all(c.finish_reason == "abort" for c in completes)
+    assert sum(c.completion_tokens for c in completes) == generated < 1800
+
+
 def test_abort_ends_the_stream_as_aborted(
     stub: vllm_engine_pb2_grpc.VllmEngineStub, engine: ServiceProcess
 ) -> None:

@@ -106,7 +106,6 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
 
 def _refuse_unsupported_sampling(params: vpb.SamplingParams) -> None:
     unsupported = {
-        "n": (params.n > 1, "only 1 is supported; send n requests"),
         "prompt_logprobs": (params.HasField("prompt_logprobs"), "not supported"),
     }
     kind = params.WhichOneof("constraint")

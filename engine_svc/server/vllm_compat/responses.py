@@ -26,9 +26,13 @@ class EngineRequestError(RuntimeError):
 
 
 class GenerateResponses:
-    def __init__(self, num_prompt_tokens: int, stream: bool) -> None:
+    """One output sequence's responses; `index` is its place among a request's n (vLLM's
+    chunk and complete `index`)."""
+
+    def __init__(self, num_prompt_tokens: int, stream: bool, index: int = 0) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.stream = stream
+        self.index = index
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
@@ -56,6 +60,7 @@ class GenerateResponses:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=len(output.new_token_ids),  # this chunk's, as vLLM counts
             cached_tokens=self.num_cached_tokens,
+            index=self.index,
         )
         if output.new_logprobs:
             chunk.output_logprobs.CopyFrom(to_output_logprobs(output.new_logprobs))
@@ -68,6 +73,7 @@ class GenerateResponses:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=len(self.output_ids),
             cached_tokens=self.num_cached_tokens,
+            index=self.index,
         )
         if self.logprobs:
             complete.output_logprobs.CopyFrom(to_output_logprobs(self.logprobs))

@@ -18,6 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine_svc.client.async_client import AsyncMPClient
 from engine_svc.server.convert import proto_field_names
 from engine_svc.server.vllm_compat import convert
+from engine_svc.server.vllm_compat.parallel_sampling import child_requests, merged_outputs
 from engine_svc.server.vllm_compat.responses import GenerateResponses
 from engine_svc.server.vllm_compat.tokenizer_bundle import archive_chunks, build_archive
 from shared.errors import EngineDeadError, EngineUnavailableError
@@ -37,26 +38,38 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.model = convert.ModelMetadata.read(model_dir)
         self.started_at = time.time()
         self.last_request_at = 0.0
+        # The engine request ids of each request in flight with n > 1.
+        self.children: dict[str, list[str]] = {}
 
     @stream_errors
     async def Generate(
         self, request: vpb.GenerateRequest, context: Context
     ) -> AsyncGenerator[vpb.GenerateResponse, None]:
         engine_request = convert.to_engine_request(request)
+        children = child_requests(engine_request, request.sampling_params.n or 1)
         self.last_request_at = time.time()
-        responses = GenerateResponses(len(engine_request.prompt_token_ids), request.stream)
-        # If the call is cancelled (the gateway's client went away), closing
-        # client.generate() aborts the engine request.
-        outputs = self.client.generate(engine_request)
-        async with contextlib.aclosing(outputs):
-            with proto_field_names():
-                async for output in outputs:
-                    for response in responses.on_output(output):
-                        yield response
+        num_prompt = len(engine_request.prompt_token_ids)
+        sequences = [GenerateResponses(num_prompt, request.stream, i) for i in range(len(children))]
+        if len(children) > 1:  # Abort names the request; its children are what the engine runs
+            self.children[engine_request.request_id] = [c.request_id for c in children]
+        # If the call is cancelled (the gateway's client went away), closing the outputs
+        # closes client.generate() of every child, which aborts its engine request.
+        outputs = merged_outputs(self.client.generate, children)
+        try:
+            async with contextlib.aclosing(outputs):
+                with proto_field_names():
+                    async for index, output in outputs:
+                        for response in sequences[index].on_output(output):
+                            yield response
+        finally:
+            self.children.pop(engine_request.request_id, None)
 
     @unary_errors
     async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
-        await self.client.abort_requests_async(convert.to_abort_ids(request))
+        ids = convert.to_abort_ids(request)
+        await self.client.abort_requests_async(
+            [child for i in ids for child in self.children.get(i, [i])]
+        )
         return vpb.AbortResponse()
 
     @unary_errors
