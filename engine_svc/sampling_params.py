@@ -109,9 +109,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
             )
         if self.logit_bias:
-            _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "token ids must be >= 0")
+            # Integer keys: OpenAI's JSON spells them as strings, which the offline API takes
+            # unchecked.
             _check(
-                all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+                all(type(t) is int and t >= 0 for t in self.logit_bias),
+                "logit_bias",
+                "token ids must be integers >= 0",
+            )
+            _check(
+                all(
+                    type(b) in (int, float) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for b in self.logit_bias.values()
+                ),
                 "logit_bias",
                 f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             )

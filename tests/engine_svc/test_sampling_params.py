@@ -47,6 +47,8 @@ NAN = float("nan")
         ({"frequency_penalty": NAN}, "frequency_penalty"),
         ({"repetition_penalty": NAN}, "repetition_penalty"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"50": 1.0}}, "logit_bias"),  # OpenAI's JSON keys, unconverted
+        ({"logit_bias": {50: "1.0"}}, "logit_bias"),
         ({"logit_bias": {5: 100.01}}, "logit_bias"),
         ({"logit_bias": {5: -100.01}}, "logit_bias"),
         ({"logit_bias": {5: NAN}}, "logit_bias"),
