@@ -73,6 +73,14 @@ def test_generate_stream_with_json(frontend: FrontendProcess) -> None:
     assert streamed == whole["choices"][0]["text"] and streamed
 
 
+def test_logit_bias_in_json(frontend: FrontendProcess) -> None:
+    # proto3 JSON writes a map's integer keys as strings, as OpenAI's logit_bias does.
+    sampling = {"temperature": 0, "max_tokens": 4, "logit_bias": {"1234": 100}}
+    request = {"prompt": PROMPT, "sampling_params": sampling}
+    [whole] = grpcurl(frontend.address, "frontend.v1.GenerationService/Generate", data=request)
+    assert whole["choices"][0]["token_ids"] == [1234] * 4
+
+
 def engine_generate(engine: ServiceProcess, prompt: list[int], max_tokens: int) -> list[int]:
     request = {
         "prompt_token_ids": prompt,
