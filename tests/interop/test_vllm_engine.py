@@ -163,11 +163,21 @@ def test_get_tokenizer_sends_a_verifiable_archive(
     assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(archive)).namelist()
 
 
-def test_invalid_requests_name_the_field(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"top_p": 2.0}, "sampling_params.top_p"),
+        ({"n": 129}, "sampling_params.n"),
+        ({"n": 2, "logit_bias": {49152: 1.0}}, "sampling_params.logit_bias"),
+    ],
+)
+def test_invalid_requests_name_the_field(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub, sampling: dict[str, object], field: str
+) -> None:
     with pytest.raises(grpc.RpcError) as caught:
-        list(stub.Generate(generate_request("bad", 8, True, top_p=2.0), timeout=10))
+        list(stub.Generate(generate_request("bad", 8, True, **sampling), timeout=10))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling_params.top_p" in (caught.value.details() or "")
+    assert (caught.value.details() or "").startswith(f"{field}:"), caught.value.details()
 
 
 def test_flush_cache_waits_for_idle(stub: vllm_engine_pb2_grpc.VllmEngineStub) -> None:
