@@ -10,6 +10,7 @@ import msgspec
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+SEED_BOUND = 2**63  # seeds are in [0, SEED_BOUND): a signed 64-bit integer
 # The sampler divides float32 logits by these: beyond, a masked -inf becomes NaN (an
 # infinite float32 temperature, a repetition penalty of 0) or a logit overflows.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -90,7 +91,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive count")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2^63)")
+            _check(0 <= self.seed < SEED_BOUND, "seed", "must be in [0, 2^63)")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")

@@ -15,10 +15,10 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest
+from engine_svc.sampling_params import SEED_BOUND
 from shared.errors import InvalidRequestError
 
 MAX_N = 128  # as the frontend's n
-MAX_SEED = 2**63  # the engine's bound on a seed: child i's is seed + i
 
 Generate = Callable[[EngineCoreRequest], AsyncGenerator[EngineCoreOutput, None]]
 
@@ -27,7 +27,7 @@ def child_requests(request: EngineCoreRequest, n: int) -> list[EngineCoreRequest
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError("sampling_params.n", f"must be in [1, {MAX_N}]")
     seed = request.sampling_params.seed
-    if seed is not None and seed + n > MAX_SEED:
+    if seed is not None and seed + n > SEED_BOUND:  # child i samples with seed + i
         raise InvalidRequestError("sampling_params.seed", "seed + n must be at most 2^63")
     if n == 1:
         return [request]
