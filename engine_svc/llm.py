@@ -29,6 +29,8 @@ class RequestOutput:
     stop_reason: int | None = None
     error: str | None = None  # why, when finish_reason is "error"
     logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs: for prompt tokens 1 to n - 1 (the first has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
 
     @property
@@ -104,6 +106,8 @@ def _apply(result: RequestOutput, output: EngineCoreOutput) -> None:
     result.token_ids.extend(output.new_token_ids)
     if output.new_logprobs:
         result.logprobs = (result.logprobs or []) + list(output.new_logprobs)
+    if output.prompt_logprobs is not None:
+        result.prompt_logprobs = list(output.prompt_logprobs)
     result.num_cached_tokens = output.num_cached_tokens
     if output.finish_reason is not None:
         result.finish_reason = str(output.finish_reason)

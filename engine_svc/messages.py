@@ -57,6 +57,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # With prompt_logprobs: one per prompt token after the first (the first has no context),
+    # sent once, with the first new token.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended the request, if any
     num_cached_tokens: int = 0

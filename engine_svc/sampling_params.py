@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    # Per prompt token after the first: its logprob and rank, and this many top alternatives
+    # (vLLM's prompt_logprobs). Such a prompt is computed whole: no prefix-cache hits.
+    prompt_logprobs: int | None = None
     # Added to these tokens' logits before penalties, temperature and the draw (vLLM's and
     # OpenAI's logit_bias); logprobs stay the model's own.
     logit_bias: dict[int, float] | None = None
@@ -108,6 +111,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             _check(
                 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_LOGPROBS}]",
             )
         if self.logit_bias:
             # Integer keys: OpenAI's JSON spells them as strings, which the offline API takes

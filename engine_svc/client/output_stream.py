@@ -109,6 +109,8 @@ def merge_into(earlier: EngineCoreOutput, later: EngineCoreOutput) -> None:
     earlier.new_token_ids.extend(later.new_token_ids)
     if later.new_logprobs:
         earlier.new_logprobs = (earlier.new_logprobs or []) + later.new_logprobs
+    if later.prompt_logprobs is not None:
+        earlier.prompt_logprobs = later.prompt_logprobs
     earlier.finish_reason = later.finish_reason
     earlier.stop_reason = later.stop_reason
     earlier.num_cached_tokens = later.num_cached_tokens

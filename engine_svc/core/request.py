@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from engine_svc.messages import EngineCoreRequest, FinishReason
+from engine_svc.messages import EngineCoreRequest, FinishReason, TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.worker.outputs import PromptLogprobsChunk
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,11 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.structured: GrammarState | None = None  # set for structured-output requests
         self.error: str | None = None
+        # With prompt_logprobs: those of prompt tokens 1, 2, ... gathered chunk by chunk until
+        # they are sent with the first output token; None after that, or when not asked for.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None
+        )
 
     @classmethod
     def from_engine_core_request(
@@ -96,6 +102,29 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to compute: its prompt takes no prefix-cache hits."""
+        return self.prompt_logprobs is not None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Keep a chunk's prompt logprobs. A prompt recomputed after a preemption gives the
+        ones already kept again: they are skipped."""
+        if self.prompt_logprobs is None:
+            return
+        skip = len(self.prompt_logprobs) + 1 - chunk.first
+        if skip < 0:
+            raise RuntimeError(
+                f"request {self.request_id}: prompt logprobs from token {chunk.first}, "
+                f"but only up to {len(self.prompt_logprobs)} are known"
+            )
+        self.prompt_logprobs.extend(chunk.entries[skip:])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs, once: for the output that carries the first new token."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -56,12 +56,25 @@ class RunnerRequestState:
 
 
 @dataclasses.dataclass(slots=True)
+class PromptLogprobRows:
+    """Rows `row` to `row + count - 1` of a step whose logits give the prompt logprobs of a
+    request's prompt tokens `first` to `first + count - 1` (each from the position before)."""
+
+    request_id: str
+    row: int
+    first: int
+    count: int
+    num_top: int
+
+
+@dataclasses.dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the batch whose logits are sampled
     sample_request_ids: list[str]
+    prompt_logprob_rows: list[PromptLogprobRows] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +85,19 @@ class _FlatBatch:
     positions: list[int] = dataclasses.field(default_factory=list)
     sample_indices: list[int] = dataclasses.field(default_factory=list)
     sample_request_ids: list[str] = dataclasses.field(default_factory=list)
+    prompt_logprob_rows: list[PromptLogprobRows] = dataclasses.field(default_factory=list)
+
+    def note_prompt_rows(
+        self, row: int, request_id: str, start: int, length: int, state: RunnerRequestState
+    ) -> None:
+        """Input positions start.. at `row`.. give the logprobs of the prompt tokens after
+        them, for a request that asked for its prompt's."""
+        num_top = state.sampling_params.prompt_logprobs
+        count = min(length, state.num_prompt_tokens - 1 - start)
+        if num_top is not None and count > 0:
+            self.prompt_logprob_rows.append(
+                PromptLogprobRows(request_id, row, start + 1, count, num_top)
+            )
 
     def sample_if_done(
         self, row: int, request_id: str, end: int, state: RunnerRequestState
@@ -131,6 +157,7 @@ def prepare_inputs(
         ),
         sample_indices=torch.tensor(batch.sample_indices, dtype=torch.long, device=device),
         sample_request_ids=batch.sample_request_ids,
+        prompt_logprob_rows=batch.prompt_logprob_rows,
     )
 
 
@@ -144,6 +171,7 @@ def _decode_rows(
     for entry in decodes:
         state = states[entry.request_id]
         position = entry.num_computed_tokens
+        batch.note_prompt_rows(len(batch.input_ids), entry.request_id, position, 1, state)
         batch.sample_if_done(len(batch.input_ids), entry.request_id, position + 1, state)
         batch.input_ids.append(entry.token_ids[0])
         batch.positions.append(position)
@@ -170,6 +198,7 @@ def _prefill_rows(
         state = states[entry.request_id]
         start, length = entry.num_computed_tokens, len(entry.token_ids)
         query_start = len(batch.input_ids)
+        batch.note_prompt_rows(query_start, entry.request_id, start, length, state)
         batch.input_ids.extend(entry.token_ids)
         batch.positions.extend(range(start, start + length))
         table = torch.tensor(state.block_ids, dtype=torch.long)

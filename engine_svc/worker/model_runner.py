@@ -18,7 +18,14 @@ from engine_svc.models.loader import load_model
 from engine_svc.models.model_spec import ModelSpec
 from engine_svc.worker.host_memory import populate_in_background, zeroed_host_tensor
 from engine_svc.worker.input_batch import RunnerRequestState, prepare_inputs
-from engine_svc.worker.outputs import GrammarBitmask, ModelRunnerOutput, PendingSample
+from engine_svc.worker.outputs import (
+    GrammarBitmask,
+    ModelRunnerOutput,
+    PendingSample,
+    PromptLogprobsChunk,
+)
+from engine_svc.worker.prompt_logprobs import BLOCK_ROWS as PROMPT_LOGPROB_ROWS
+from engine_svc.worker.prompt_logprobs import compute_prompt_logprobs
 from engine_svc.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -148,13 +155,25 @@ class ModelRunner:
         if not self.layout.is_last_stage:
             self.collectives.send_to_next_stage(hidden)
             return None
+        prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
+        if inputs.prompt_logprob_rows:
+            prompt_logprobs = compute_prompt_logprobs(
+                self.model,
+                hidden,
+                inputs.prompt_logprob_rows,
+                self.states,
+                self.cpu_kernels,
+                self.layout.samples,
+            )
         if not inputs.sample_request_ids:
-            return ModelRunnerOutput(sampled_token_ids={}, logprobs={})
+            return ModelRunnerOutput(
+                sampled_token_ids={}, logprobs={}, prompt_logprobs=prompt_logprobs
+            )
         # Every tensor rank takes part in gathering the logits; one samples.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         if not self.layout.samples:
             return None
-        pending = PendingSample(logits, inputs.sample_request_ids)
+        pending = PendingSample(logits, inputs.sample_request_ids, prompt_logprobs=prompt_logprobs)
         if any(self.states[r].sampling_params.constraint for r in pending.request_ids):
             return pending
         return self.sample_tokens(pending, None)
@@ -178,7 +197,11 @@ class ModelRunner:
             sampled[request_id] = token
             if token_logprobs is not None:
                 sampled_logprobs[request_id] = token_logprobs
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=sampled_logprobs)
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled,
+            logprobs=sampled_logprobs,
+            prompt_logprobs=pending.prompt_logprobs,
+        )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.freed_request_ids:
@@ -235,8 +258,10 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device) % 2
         hidden = self.model(ids, positions, self.kv_caches, meta, intermediate)
         if self.layout.is_last_stage:
-            # Logits and softmax for one sampled row per sequence, as a full step has them.
-            rows = torch.arange(num_seqs, device=self.device) % num_tokens
+            # Logits and softmax for one sampled row per sequence, as a full step has them,
+            # or for a block of prompt positions whose logprobs are asked, if more.
+            num_rows = max(num_seqs, min(PROMPT_LOGPROB_ROWS, num_tokens))
+            rows = torch.arange(num_rows, device=self.device) % num_tokens
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
             torch.softmax(logits, dim=-1)
         peak = _memory_peak(self.device) - before
@@ -245,7 +270,8 @@ class ModelRunner:
 
     def estimate_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
         """The big live tensors of a forward over `num_tokens`: the widest layer's inputs and
-        outputs for every token, plus float32 logits and softmax for the sampled rows."""
+        outputs for every token, plus float32 logits and softmax for the sampled rows (or a
+        block of prompt-logprob rows)."""
         spec = self.spec
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_token = (
@@ -253,7 +279,8 @@ class ModelRunner:
             + 3 * spec.intermediate_size
             + (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
         )
-        return num_tokens * per_token * element + 3 * num_seqs * spec.vocab_size * 4
+        num_rows = max(num_seqs, min(PROMPT_LOGPROB_ROWS, num_tokens))
+        return num_tokens * per_token * element + 3 * num_rows * spec.vocab_size * 4
 
 
 def _apply_grammar(

@@ -19,6 +19,7 @@ import torch
 
 from engine_svc.messages import TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
+from engine_svc.worker.logprobs import token_logprobs
 from engine_svc.worker.penalties import apply_penalties_
 from engine_svc.worker.random_sampling import RowFilters, kernel_takes, sample
 from engine_svc.worker.seeded_sampling import race, race_key
@@ -122,40 +123,14 @@ class Sampler:
     def _token_logprobs(
         self, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], wanted: list[int]
     ) -> list[TokenLogprobs]:
-        """The sampled token's logprob and rank, and the most likely tokens' logprobs, of the
-        rows in `wanted`, from the raw logits: with the CPU kernels in one C++ call
-        (engine_svc/kernels/csrc/logprobs.cpp), else log_softmax, one comparison and one
-        top-k for all of them."""
+        """The sampled tokens' logprobs of the rows in `wanted`, from the raw logits."""
         if len(wanted) == len(rows):
             part, token_ids = raw, tokens
         else:
             index = torch.tensor(wanted, device=raw.device)
             part, token_ids = raw.index_select(0, index), tokens.index_select(0, index)
-        most = max(rows[i].params.logprobs or 0 for i in wanted)
-        if kernel_takes(part, self.kernels):
-            chosen, ranks, values, ids = torch.ops.duoserve.token_logprobs(
-                part, token_ids.contiguous(), most
-            )
-        else:
-            row_logprobs = torch.log_softmax(part.float(), dim=-1)
-            chosen = row_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            ranks = (row_logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
-            values, ids = row_logprobs.topk(most, dim=-1)
-        chosen_logprobs, chosen_ids, rank_list = chosen.tolist(), token_ids.tolist(), ranks.tolist()
-        top_values, top_ids = values.tolist(), ids.tolist()
-        entries = []
-        for position, i in enumerate(wanted):
-            num_top = rows[i].params.logprobs or 0
-            entries.append(
-                TokenLogprobs(
-                    token_id=chosen_ids[position],
-                    logprob=chosen_logprobs[position],
-                    rank=rank_list[position],
-                    top_token_ids=top_ids[position][:num_top],
-                    top_logprobs=top_values[position][:num_top],
-                )
-            )
-        return entries
+        num_top = [rows[i].params.logprobs or 0 for i in wanted]
+        return token_logprobs(part, token_ids, num_top, self.kernels)
 
     @staticmethod
     def _fill(

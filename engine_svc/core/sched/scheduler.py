@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache.manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine_svc.core.sched.request_queue import make_request_queue
 from engine_svc.messages import EngineCoreOutput, FinishReason, RequestTimes, SchedulerStats
+from engine_svc.sampling_params import SamplingParams
 from engine_svc.worker.outputs import ModelRunnerOutput
 from shared.errors import InvalidRequestError
 
@@ -136,7 +139,9 @@ class Scheduler:
                     self.waiting.pop()
                     self._fail(request, request.structured.error, _constraint_field(request))
                     continue
-            hits = self.kv_cache.get_computed_blocks(request)
+            # A prompt whose logprobs are asked for runs whole: they come from its logits.
+            skip_cache = request.needs_prompt_logprobs
+            hits = [] if skip_cache else self.kv_cache.get_computed_blocks(request)
             num_hit_tokens = len(hits) * config.block_size
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -147,7 +152,8 @@ class Scheduler:
             if new_block_ids is None:
                 break
             self.waiting.pop()
-            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            if not skip_cache:
+                self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             if request.num_cached_tokens < 0:  # its first scheduling
                 request.num_cached_tokens = num_hit_tokens
                 request.scheduled_time = time.monotonic()
@@ -157,7 +163,7 @@ class Scheduler:
             entry = self._schedule_tokens(request, num_new, new_block_ids)
             entry.new_block_ids = self.kv_cache.block_ids(request.request_id)
             entry.new_request = NewRequestData(
-                sampling_params=request.sampling_params,
+                sampling_params=_runner_params(request),
                 num_prompt_tokens=request.num_prompt_tokens,
                 # A snapshot as of this step, which the runner keeps as its own.
                 all_token_ids=list(request.all_token_ids),
@@ -199,6 +205,9 @@ class Scheduler:
         for entry in scheduler_output.scheduled:
             token_id = runner_output.sampled_token_ids.get(entry.request_id)
             request = self.requests.get(entry.request_id)
+            chunk = runner_output.prompt_logprobs.get(entry.request_id)
+            if chunk is not None and request is not None:
+                request.add_prompt_logprobs(chunk)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a prefill chunk short of the end, or aborted while in flight
             if request.structured is not None and not self._grammar_takes(request, token_id):
@@ -218,6 +227,7 @@ class Scheduler:
                         if request.request_id in runner_output.logprobs
                         else None
                     ),
+                    prompt_logprobs=request.take_prompt_logprobs(),
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -337,6 +347,15 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
+
+
+def _runner_params(request: Request) -> SamplingParams:
+    """The parameters the runner gets: without prompt_logprobs once they were sent (a prompt
+    recomputed after a preemption needs them no more)."""
+    params = request.sampling_params
+    if params.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+        return msgspec.structs.replace(params, prompt_logprobs=None)
+    return params
 
 
 def _num_prompt_tokens_in(request: Request, start: int, count: int) -> int:
