@@ -6,7 +6,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from engine_svc.control_messages import EngineInfo
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
@@ -14,6 +14,7 @@ from engine_svc.sampling_params import SamplingParams
 from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 from shared.protos import engine_pb2 as pb
+from shared.sampling_fields import OPTIONAL_SAMPLING_FIELDS, PLAIN_SAMPLING_FIELDS
 
 # Bounds on list and string fields, far below the transport's message limit, so an oversized
 # request is refused naming its field rather than by the transport.
@@ -21,23 +22,6 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABORT_IDS = 10_000
-
-_OptionalField = Literal["temperature", "top_p", "seed", "repetition_penalty", "logprobs"]
-_OPTIONAL_SAMPLING_FIELDS: tuple[_OptionalField, ...] = (
-    "temperature",
-    "top_p",
-    "seed",
-    "repetition_penalty",
-    "logprobs",
-)
-_PLAIN_SAMPLING_FIELDS = (
-    "top_k",
-    "min_p",
-    "ignore_eos",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-)
 
 
 def to_engine_request(request: pb.GenerateRequest) -> EngineCoreRequest:
@@ -56,9 +40,9 @@ def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep the engine's defaults; an unset max_tokens means up to the
     model length. The engine client checks the values (engine_svc/admission.py)."""
     _check_size("sampling_params.stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS)
-    options: dict[str, Any] = {name: getattr(params, name) for name in _PLAIN_SAMPLING_FIELDS}
+    options: dict[str, Any] = {name: getattr(params, name) for name in PLAIN_SAMPLING_FIELDS}
     options.update(
-        {name: getattr(params, name) for name in _OPTIONAL_SAMPLING_FIELDS if params.HasField(name)}
+        {name: getattr(params, name) for name in OPTIONAL_SAMPLING_FIELDS if params.HasField(name)}
     )
     options["max_tokens"] = params.max_tokens if params.HasField("max_tokens") else None
     options["stop_token_ids"] = list(params.stop_token_ids)
@@ -131,6 +115,8 @@ def to_generate_response(output: EngineCoreOutput) -> pb.GenerateResponse:
         response.stop_token_id = output.stop_reason
     if output.new_logprobs:
         response.logprobs.extend(_to_token_logprobs(lp) for lp in output.new_logprobs)
+    if output.prompt_logprobs:
+        response.prompt_logprobs.extend(_to_token_logprobs(lp) for lp in output.prompt_logprobs)
     return response
 
 

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism through the engine's gRPC service: worker processes
 joined by torch.distributed (gloo on CPU), each rank holding its share of the tiny model.
 
-Greedy tokens must equal the single-worker engine's, and logprobs agree within 1e-4: the
+Greedy tokens must equal the single-worker engine's, and logprobs (of the sampled tokens,
+and of the prompts for the half of the requests that ask for them) agree within 1e-4: the
 row-parallel all-reduce sums in another order, so they may differ in the last bits. Where
 that parts the two at a near tie, the test shows the tie (top-2 gap under 1e-4) instead of
 passing silently. On the 2-core machine the ranks share the cores, one thread each.
@@ -53,6 +54,8 @@ NUM_TOKENS = 12
 LOGPROB_TOLERANCE = 1e-4
 
 Step = tuple[int, float, list[float]]  # token, its logprob, the top-2 logprobs
+# A request that asks for prompt logprobs (every even one) has one step per prompt token
+# after the first, ahead of its sampled tokens'.
 
 
 def _prompts() -> list[list[int]]:
@@ -66,7 +69,14 @@ def _generate(service: ServiceProcess) -> list[list[Step]]:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = engine_stub(channel)
             requests = [
-                generate_request(f"p{i}", prompt, NUM_TOKENS, ignore_eos=True, logprobs=2)
+                generate_request(
+                    f"p{i}",
+                    prompt,
+                    NUM_TOKENS,
+                    ignore_eos=True,
+                    logprobs=2,
+                    prompt_logprobs=None if i % 2 else 2,
+                )
                 for i, prompt in enumerate(_prompts())
             ]
             return await asyncio.gather(*(_steps(stub, r) for r in requests))
@@ -80,7 +90,7 @@ async def _steps(
 ) -> list[Step]:
     steps: list[Step] = []
     async for response in stub.Generate(request):
-        for logprobs in response.logprobs:
+        for logprobs in [*response.prompt_logprobs, *response.logprobs]:
             steps.append((logprobs.token_id, logprobs.logprob, list(logprobs.top_logprobs)))
     return steps
 
@@ -123,7 +133,8 @@ def _assert_same_steps(
 ) -> None:
     ties = []
     for prompt, (expected, got) in enumerate(zip(expected_steps, steps, strict=True)):
-        assert len(got) == len(expected) == NUM_TOKENS
+        prompt_steps = 0 if prompt % 2 else len(_prompts()[prompt]) - 1
+        assert len(got) == len(expected) == prompt_steps + NUM_TOKENS
         for step, ((token, logprob, top), (their_token, their_logprob, _)) in enumerate(
             zip(expected, got, strict=True)
         ):
@@ -323,5 +334,4 @@ def test_two_nodes_on_loopback_give_the_single_workers_tokens(
         node1.kill()
         node1.wait()
         node1_log.close()
-    for expected, got in zip(single_worker_steps, steps, strict=True):
-        assert [token for token, _, _ in got] == [token for token, _, _ in expected]
+    _assert_same_steps(single_worker_steps, steps, "two nodes")

@@ -80,7 +80,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     [
         (vpb.GenerateRequest(text="hello"), "tokenized"),
         (vpb.GenerateRequest(tokenized=vpb.TokenizedInput()), "tokenized.input_ids"),
-        (generate_request(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+        # -1 (the whole vocabulary) is over the bound, as with vLLM's default max_logprobs.
+        (generate_request(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
+        (generate_request(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
         (generate_request(logit_bias={-5: 1.0}), "sampling_params.logit_bias"),
         (generate_request(logit_bias={49152: 1.0}), "sampling_params.logit_bias"),
         (generate_request(logit_bias={5: 100.5}), "sampling_params.logit_bias"),
@@ -115,7 +117,7 @@ def output(
 
 
 def test_stream_sends_chunks_then_a_complete_with_everything() -> None:
-    responses = GenerateResponses(num_prompt_tokens=3, stream=True)
+    responses = GenerateResponses([5, 6, 7], stream=True)
     sent = [
         *responses.on_output(output([10, 11], num_cached_tokens=2)),
         *responses.on_output(output([])),  # nothing new: nothing sent
@@ -132,7 +134,7 @@ def test_stream_sends_chunks_then_a_complete_with_everything() -> None:
 
 
 def test_without_stream_only_the_complete_is_sent() -> None:
-    responses = GenerateResponses(num_prompt_tokens=3, stream=False)
+    responses = GenerateResponses([5, 6, 7], stream=False)
     assert responses.on_output(output([10])) == []
     [last] = responses.on_output(output([11], FinishReason.LENGTH))
     assert list(last.complete.output_ids) == [10, 11] and last.complete.finish_reason == "length"
@@ -143,7 +145,7 @@ def test_logprobs_per_chunk_and_whole_on_complete() -> None:
     def logprobs(token: int) -> TokenLogprobs:
         return TokenLogprobs(token, -0.5, 1, [token, 99], [-0.5, -2.0])
 
-    responses = GenerateResponses(num_prompt_tokens=1, stream=True)
+    responses = GenerateResponses([5], stream=True)
     first = responses.on_output(output([10], new_logprobs=[logprobs(10)]))
     chunk, complete = responses.on_output(
         output([11], FinishReason.LENGTH, new_logprobs=[logprobs(11)])
@@ -155,8 +157,29 @@ def test_logprobs_per_chunk_and_whole_on_complete() -> None:
     assert list(whole.top_logprobs[1].token_ids) == [11, 99]
 
 
+def test_prompt_logprobs_in_the_first_chunk_and_on_complete() -> None:
+    prompt = [5, 6, 7]
+    entries = [TokenLogprobs(6, -1.5, 2, [9], [-0.25]), TokenLogprobs(7, -3.0, 4, [9], [-0.5])]
+    responses = GenerateResponses(prompt, stream=True)
+    [first] = responses.on_output(output([10], prompt_logprobs=entries))
+    chunk, complete = responses.on_output(output([11], FinishReason.LENGTH))
+    assert not chunk.chunk.HasField("input_logprobs")
+    for sent in (first.chunk.input_logprobs, complete.complete.input_logprobs):
+        # vLLM's shape: one entry per prompt token, the first without a value.
+        assert list(sent.token_ids) == prompt
+        assert [e.HasField("value") for e in sent.token_logprobs] == [False, True, True]
+        assert [e.value for e in sent.token_logprobs[1:]] == [-1.5, -3.0]
+        assert [list(t.token_ids) for t in sent.top_logprobs] == [[], [9], [9]]
+        assert [list(t.values) for t in sent.top_logprobs] == [[], [-0.25], [-0.5]]
+    assert (
+        not GenerateResponses(prompt, stream=False)
+        .on_output(output([10], FinishReason.LENGTH))[0]
+        .complete.HasField("input_logprobs")
+    )
+
+
 def test_an_engine_error_is_not_a_completion() -> None:
-    responses = GenerateResponses(num_prompt_tokens=1, stream=True)
+    responses = GenerateResponses([5], stream=True)
     with pytest.raises(EngineRequestError, match="grammar"):
         responses.on_output(output([], FinishReason.ERROR, error="bad grammar"))
 

@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from tests.service_processes import SERVING, ServiceProcess
+from shared.protos import engine_pb2 as epb
+from tests.service_processes import SERVING, ServiceProcess, engine_stub
 
 SERVICE = "vllm.grpc.engine.VllmEngine"
 
@@ -68,6 +69,32 @@ def test_logit_bias_moves_the_tokens(stub: vllm_engine_pb2_grpc.VllmEngineStub) 
     request = generate_request("biased", 4, stream=False, logit_bias=bias)
     [whole] = stub.Generate(request, timeout=60)
     assert list(whole.complete.output_ids) == [1234] * 4
+
+
+def test_prompt_logprobs_come_in_the_first_chunk_as_vllm_sends_them(
+    engine: ServiceProcess, stub: vllm_engine_pb2_grpc.VllmEngineStub
+) -> None:
+    request = generate_request("scored", 3, stream=True, prompt_logprobs=2)
+    chunks = [r.chunk for r in stub.Generate(request, timeout=60) if r.HasField("chunk")]
+    assert chunks[0].HasField("input_logprobs")
+    assert not any(c.HasField("input_logprobs") for c in chunks[1:])
+    sent = chunks[0].input_logprobs
+    assert list(sent.token_ids) == [1, 2, 3, 4]
+    assert [e.HasField("value") for e in sent.token_logprobs] == [False, True, True, True]
+    # The same numbers as the engine's own API gives for the same prompt.
+    with grpc.insecure_channel(engine.address) as channel:
+        own = engine_stub(channel).Generate(
+            epb.GenerateRequest(
+                prompt_token_ids=[1, 2, 3, 4],
+                sampling_params=epb.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2),
+            ),
+            timeout=60,
+        )
+        [first] = [r for r in own if r.prompt_logprobs]
+    assert [e.value for e in sent.token_logprobs[1:]] == [e.logprob for e in first.prompt_logprobs]
+    assert [list(t.token_ids) for t in sent.top_logprobs[1:]] == [
+        list(e.top_token_ids) for e in first.prompt_logprobs
+    ]
 
 
 def test_n_sequences_stream_with_their_index_each_as_its_own_seeded_request(

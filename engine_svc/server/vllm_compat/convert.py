@@ -93,6 +93,7 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs if params.HasField("logprobs") else None,
+        "prompt_logprobs": (params.prompt_logprobs if params.HasField("prompt_logprobs") else None),
         "seed": params.seed if params.HasField("seed") else None,
     }
     if params.logit_bias:
@@ -105,9 +106,7 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
 
 
 def _refuse_unsupported_sampling(params: vpb.SamplingParams) -> None:
-    unsupported = {
-        "prompt_logprobs": (params.HasField("prompt_logprobs"), "not supported"),
-    }
+    unsupported: dict[str, tuple[bool, str]] = {}
     kind = params.WhichOneof("constraint")
     if kind is not None and kind not in _SUPPORTED_CONSTRAINTS:
         unsupported[kind] = (True, f"not supported; use one of {', '.join(_SUPPORTED_CONSTRAINTS)}")

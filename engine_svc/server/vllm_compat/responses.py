@@ -2,9 +2,9 @@
 servicer sends and smg reads.
 
 Streamed (`stream: true`): a chunk per output that brings tokens (the new token ids, their
-logprobs, the count of new tokens), then, when the request finishes, one complete message
-with every output token, the finish reason as a string and the totals. Not streamed: the
-complete message only."""
+logprobs, the count of new tokens; the first also the prompt logprobs, when asked), then,
+when the request finishes, one complete message with every output token, the finish reason
+as a string and the totals. Not streamed: the complete message only."""
 
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ class GenerateResponses:
     """One output sequence's responses; `index` is its place among a request's n (vLLM's
     chunk and complete `index`)."""
 
-    def __init__(self, num_prompt_tokens: int, stream: bool, index: int = 0) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
+    def __init__(self, prompt_token_ids: list[int], stream: bool, index: int = 0) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.stream = stream
         self.index = index
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
+        self.input_logprobs: vpb.InputLogProbs | None = None
         self.num_cached_tokens = 0
 
     def on_output(self, output: EngineCoreOutput) -> list[vpb.GenerateResponse]:
@@ -46,6 +48,8 @@ class GenerateResponses:
         self.output_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs or ())
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.prompt_logprobs is not None:
+            self.input_logprobs = to_input_logprobs(self.prompt_token_ids, output.prompt_logprobs)
         responses = []
         if self.stream and output.new_token_ids:
             responses.append(vpb.GenerateResponse(chunk=self._chunk(output)))
@@ -64,6 +68,8 @@ class GenerateResponses:
         )
         if output.new_logprobs:
             chunk.output_logprobs.CopyFrom(to_output_logprobs(output.new_logprobs))
+        if output.prompt_logprobs is not None and self.input_logprobs is not None:
+            chunk.input_logprobs.CopyFrom(self.input_logprobs)
         return chunk
 
     def _complete(self, reason: FinishReason, stop_token_id: int | None) -> vpb.GenerateComplete:
@@ -77,6 +83,8 @@ class GenerateResponses:
         )
         if self.logprobs:
             complete.output_logprobs.CopyFrom(to_output_logprobs(self.logprobs))
+        if self.input_logprobs is not None:
+            complete.input_logprobs.CopyFrom(self.input_logprobs)
         if stop_token_id is not None:
             complete.matched_token_id = stop_token_id
         return complete
@@ -89,5 +97,22 @@ def to_output_logprobs(logprobs: list[TokenLogprobs]) -> vpb.OutputLogProbs:
         token_ids=[lp.token_id for lp in logprobs],
         top_logprobs=[
             vpb.TopLogProbs(values=lp.top_logprobs, token_ids=lp.top_token_ids) for lp in logprobs
+        ],
+    )
+
+
+def to_input_logprobs(
+    prompt_token_ids: list[int], prompt_logprobs: list[TokenLogprobs]
+) -> vpb.InputLogProbs:
+    """Per prompt token, as vLLM's servicer sends them: the first has no logprob (an unset
+    value) and no alternatives; each other its own logprob and its top alternatives."""
+    return vpb.InputLogProbs(
+        token_logprobs=[vpb.InputTokenLogProb()]
+        + [vpb.InputTokenLogProb(value=lp.logprob) for lp in prompt_logprobs],
+        token_ids=prompt_token_ids,
+        top_logprobs=[vpb.TopLogProbs()]
+        + [
+            vpb.TopLogProbs(values=lp.top_logprobs, token_ids=lp.top_token_ids)
+            for lp in prompt_logprobs
         ],
     )

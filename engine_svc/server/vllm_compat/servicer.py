@@ -48,8 +48,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine_request = convert.to_engine_request(request)
         children = child_requests(engine_request, request.sampling_params.n or 1)
         self.last_request_at = time.time()
-        num_prompt = len(engine_request.prompt_token_ids)
-        sequences = [GenerateResponses(num_prompt, request.stream, i) for i in range(len(children))]
+        prompt = engine_request.prompt_token_ids
+        sequences = [GenerateResponses(prompt, request.stream, i) for i in range(len(children))]
         if len(children) > 1:  # Abort names the request; its children are what the engine runs
             self.children[engine_request.request_id] = [c.request_id for c in children]
         # If the call is cancelled (the gateway's client went away), closing the outputs
