@@ -18,6 +18,7 @@ from frontend_svc.messages import (
     EngineOutput,
     EngineRequest,
     GenerationUpdate,
+    TokenLogprobs,
     Usage,
 )
 from shared.errors import EngineDeadError
@@ -50,6 +51,7 @@ class Generation:
         self.pumps: list[asyncio.Task[None]] = []
         self.stops = [EngineCallStop() for _ in self.choices]
         self.unanswered: set[int] = set()  # choices admitted that have no engine output yet
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # until an update carries them
 
     @property
     def is_finished(self) -> bool:
@@ -85,8 +87,12 @@ class Generation:
                 deltas = [d for d in (c.take_delta() for c in self.choices) if d is not None]
                 usage = self.usage if self.is_finished else None
                 if deltas or usage is not None:
+                    prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
                     yield GenerationUpdate(
-                        request_id=self.request.request_id, choices=deltas, usage=usage
+                        request_id=self.request.request_id,
+                        choices=deltas,
+                        usage=usage,
+                        prompt_logprobs=prompt_logprobs,
                     )
         finally:
             pool.answered(len(self.unanswered))
@@ -118,6 +124,8 @@ class Generation:
             raise item
         if item is None:
             raise EngineDeadError("the engine ended a request without a finish reason")
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = list(item.prompt_logprobs)
         if choice.add(item):
             self._stop(index)  # a stop string matched: abort the engine request now
 
@@ -133,10 +141,12 @@ async def collect(updates: AsyncGenerator[GenerationUpdate, None]) -> Generation
     """The whole result of a stream of updates, one delta per choice."""
     request_id = ""
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     merged: dict[int, ChoiceDelta] = {}
     async with contextlib.aclosing(updates):
         async for update in updates:
             request_id, usage = update.request_id, update.usage or usage
+            prompt_logprobs = update.prompt_logprobs or prompt_logprobs
             for delta in update.choices:
                 whole = merged.setdefault(delta.index, ChoiceDelta(index=delta.index))
                 whole.text += delta.text
@@ -145,4 +155,6 @@ async def collect(updates: AsyncGenerator[GenerationUpdate, None]) -> Generation
                 if delta.finish_reason is not None:
                     whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
     choices = [merged[index] for index in sorted(merged)]
-    return GenerationUpdate(request_id=request_id, choices=choices, usage=usage)
+    return GenerationUpdate(
+        request_id=request_id, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs
+    )

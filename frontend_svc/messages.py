@@ -40,6 +40,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the request's, asked of choice 0's engine call only
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     # Structured output (at most one), enforced by the engine.
     json_schema: str | None = None
@@ -53,10 +54,12 @@ class SamplingOptions:
     skip_special_tokens: bool = True
 
     def for_choice(self, index: int) -> SamplingOptions:
-        """Choice i samples with seed + i, so n seeded choices differ yet are reproducible."""
-        if self.seed is None or index == 0:
+        """Choice i samples with seed + i, so n seeded choices differ yet are reproducible.
+        The prompt is the same for all: only choice 0 computes its logprobs."""
+        if index == 0 or (self.seed is None and self.prompt_logprobs is None):
             return self
-        return dataclasses.replace(self, seed=self.seed + index)
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, seed=seed, prompt_logprobs=None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,6 +100,7 @@ class EngineOutput:
 
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token, if asked
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
@@ -133,6 +137,8 @@ class GenerationUpdate:
     request_id: str
     choices: list[ChoiceDelta]
     usage: Usage | None = None
+    # Prompt tokens 1.. (the first has none), once, when the request asked for them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

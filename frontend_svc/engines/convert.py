@@ -12,17 +12,7 @@ from frontend_svc.messages import (
 )
 from shared.engine_load import EngineLoad, RankLoad
 from shared.protos import engine_pb2 as pb
-
-# Set only when given, so unset ones keep the engine's defaults.
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
-_PLAIN_FIELDS = (
-    "top_k",
-    "min_p",
-    "ignore_eos",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-)
+from shared.sampling_fields import OPTIONAL_SAMPLING_FIELDS, PLAIN_SAMPLING_FIELDS
 
 
 def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
@@ -38,9 +28,10 @@ def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
     params = pb.SamplingParams(
         stop_token_ids=sampling.stop_token_ids, logit_bias=dict(sampling.logit_bias)
     )
-    for name in _PLAIN_FIELDS:
+    for name in PLAIN_SAMPLING_FIELDS:
         setattr(params, name, getattr(sampling, name))
-    for name in _OPTIONAL_FIELDS:
+    # Set only when given, so unset ones keep the engine's defaults.
+    for name in ("max_tokens", *OPTIONAL_SAMPLING_FIELDS):
         value = getattr(sampling, name)
         if value is not None:
             setattr(params, name, value)
@@ -60,6 +51,12 @@ def to_engine_output(response: pb.GenerateResponse) -> EngineOutput:
     return EngineOutput(
         new_token_ids=tuple(response.token_ids),
         new_logprobs=tuple(_to_token_logprobs(lp) for lp in response.logprobs),
+        # Sent only when asked for, and then at least one (a one-token prompt has none).
+        prompt_logprobs=(
+            tuple(_to_token_logprobs(lp) for lp in response.prompt_logprobs)
+            if response.prompt_logprobs
+            else None
+        ),
         finish_reason=None if reason == pb.FINISH_REASON_UNSPECIFIED else FinishReason(reason),
         stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
         num_cached_tokens=response.num_cached_tokens,

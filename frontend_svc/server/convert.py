@@ -16,27 +16,17 @@ from frontend_svc.messages import (
 )
 from frontend_svc.service import ServiceInfo
 from shared.frontend_protos import frontend_pb2 as pb
+from shared.sampling_fields import (
+    OPTIONAL_SAMPLING_FIELDS,
+    PLAIN_SAMPLING_FIELDS,
+    OptionalSamplingField,
+)
 
-_OptionalField = Literal[
-    "max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs"
-]
-_OPTIONAL_FIELDS: tuple[_OptionalField, ...] = (
+_OPTIONAL_FIELDS: tuple[Literal["max_tokens"] | OptionalSamplingField, ...] = (
     "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "repetition_penalty",
-    "logprobs",
+    *OPTIONAL_SAMPLING_FIELDS,
 )
-_PLAIN_FIELDS = (
-    "top_k",
-    "min_p",
-    "ignore_eos",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-)
+_PLAIN_FIELDS = (*PLAIN_SAMPLING_FIELDS, "include_stop_str_in_output")
 
 
 def to_generation_request(request: pb.GenerateRequest) -> GenerationRequest:
@@ -94,6 +84,8 @@ def to_generate_response(update: GenerationUpdate) -> pb.GenerateResponse:
                 cached_tokens=update.usage.cached_tokens,
             )
         )
+    if update.prompt_logprobs:
+        response.prompt_logprobs.extend(_to_token_logprobs(lp) for lp in update.prompt_logprobs)
     return response
 
 

@@ -273,6 +273,39 @@ def test_logit_bias_reaches_the_engine_for_every_choice(services: Services) -> N
     assert all(lp.rank > 1 for c in response.choices for lp in c.logprobs)
 
 
+def test_prompt_logprobs_come_once_and_equal_hf(services: Services, hf: tuple[Any, Any]) -> None:
+    import torch
+
+    model, tokenizer = hf
+    text = "Prompt logprobs, for scoring a text"
+    prompt = tokenizer(text).input_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    params = greedy(4, prompt_logprobs=3, n=2, ignore_eos=True)
+    request = pb.GenerateRequest(prompt=text, sampling_params=params)
+    queries = "vllm:prefix_cache_queries_total"
+    before = services.engine.metric_total(queries)
+    whole = generate_all(services.frontend.address, [request])[0]
+    # Both choices share the prompt: only choice 0's engine request computes its logprobs
+    # (past the prefix cache); choice 1's looks the prompt up in the cache as any other.
+    after = services.engine.metric_total_reaching(queries, before + len(prompt))
+    assert after == before + len(prompt)
+
+    async def stream() -> list[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(services.frontend.address) as channel:
+            return (await stream_texts(frontend_stub(channel), request))[2]
+
+    streamed = run_async(stream)
+    carrying = [r for r in streamed if r.prompt_logprobs]
+    assert len(carrying) == 1 and carrying[0].choices  # once, with the first tokens
+    for entries in (whole.prompt_logprobs, carrying[0].prompt_logprobs):
+        assert [e.token_id for e in entries] == prompt[1:]  # the first token has none
+        for position, entry in enumerate(entries):
+            row = expected[position]
+            assert abs(entry.logprob - row[entry.token_id].item()) < 1e-4
+            assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
+
+
 def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, Any]) -> None:
     model, tokenizer = hf
     messages = [{"role": "user", "content": "Hello! 你好 😀"}]
@@ -309,6 +342,8 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.logit_bias"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(logit_bias={5: -101.0})},
          "sampling_params.logit_bias"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(prompt_logprobs=21)},
+         "sampling_params.prompt_logprobs"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(regex="[0-9")},
          "sampling_params.regex"),  # refused by the engine's server before its busy loop
         ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},
