@@ -49,6 +49,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect) from `root`
 
     @property
     def is_greedy(self) -> bool:
@@ -65,6 +66,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             return ("regex", self.regex)
         if self.choice is not None:
             return ("choice", "\x00".join(self.choice))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
         return None
 
     def ending_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
@@ -144,13 +147,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ("json_object", self.json_object or None),
                 ("regex", self.regex),
                 ("choice", self.choice),
+                ("grammar", self.grammar),
             )
             if value is not None
         ]
         _check(
             len(given) <= 1,
             given[-1] if given else "",
-            "give at most one of json_schema, json_object, regex, choice",
+            "give at most one of json_schema, json_object, regex, choice, grammar",
         )
         if self.choice is not None:
             _check(bool(self.choice) and all(self.choice), "choice", "needs non-empty strings")

@@ -47,6 +47,7 @@ class SamplingOptions:
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
     # Applied by the frontend, never sent to an engine.
     n: int = 1
     stop: tuple[str, ...] = ()

@@ -12,7 +12,7 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 def check_constraint(params: SamplingParams) -> None:
-    """Parse the constraint without a tokenizer (cheap); a bad schema or regex raises
+    """Parse the constraint without a tokenizer (cheap); a bad schema, regex or grammar raises
     InvalidRequestError naming its field, before the request reaches the engine loop."""
     constraint = params.constraint
     if constraint is None:
@@ -43,6 +43,8 @@ def grammar_of(params: SamplingParams) -> Any:
     if params.choice is not None:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return xgr.Grammar.from_ebnf(f"root ::= {literals}")
+    if params.grammar is not None:
+        return xgr.Grammar.from_ebnf(params.grammar)
     return None
 
 

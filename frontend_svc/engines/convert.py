@@ -43,6 +43,8 @@ def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
         params.regex = sampling.regex
     elif sampling.choice is not None:
         params.choice.choices.extend(sampling.choice)
+    elif sampling.grammar is not None:
+        params.grammar = sampling.grammar
     return params
 
 

@@ -1,5 +1,5 @@
-"""Structured output: sampled text always obeys its JSON schema, regex or choice, and the
-unconstrained requests of the same batch are untouched."""
+"""Structured output: sampled text always obeys its JSON schema, regex, choice or EBNF grammar,
+and the unconstrained requests of the same batch are untouched."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ PERSON_SCHEMA = {
     "additionalProperties": False,
 }
 CHOICES = ["apple", "banana", "cherry pie", "durian"]
+# xgrammar's EBNF (GBNF): one or two pets, each a colour, a space and an animal.
+GRAMMAR = '''root ::= pet (", " pet)?
+pet ::= colour " " animal
+colour ::= "red" | "green" | "blue"
+animal ::= "cat" | "dog"'''
+GRAMMAR_LANGUAGE = r"(red|green|blue) (cat|dog)(, (red|green|blue) (cat|dog))?"
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,15 @@ def test_regex_and_choice_always_match(default_llm: LLM) -> None:
         [SamplingParams(temperature=1.0, seed=i, max_tokens=20, choice=CHOICES) for i in range(10)],
     )
     assert all(o.text in CHOICES and o.finish_reason == "stop" for o in fruits)
+    pets = default_llm.generate(
+        [_chat(default_llm, "Name some pets with their colour.")] * 10,
+        [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=40, grammar=GRAMMAR)
+            for i in range(10)
+        ],
+    )
+    assert all(o.finish_reason == "stop" for o in pets)  # the grammar's sentences are short
+    assert all(re.fullmatch(GRAMMAR_LANGUAGE, o.text) for o in pets), [o.text for o in pets]
     objects = default_llm.generate(
         [prompt] * 3, SamplingParams(temperature=1.0, max_tokens=60, json_object=True)
     )
@@ -90,11 +105,13 @@ def test_constraints_leave_unconstrained_requests_alone(tiny_model_dir: Path) ->
         SamplingParams(temperature=0.0, max_tokens=24, regex="[a-z]{5,30}"),
         SamplingParams(temperature=0.7, max_tokens=24, json_schema=json.dumps(PERSON_SCHEMA)),
         SamplingParams(temperature=0.0, max_tokens=24, choice=CHOICES),
+        SamplingParams(temperature=0.5, seed=1, max_tokens=24, grammar=GRAMMAR),
     ]
-    mixed = llm.generate(prompts + prompts[:3], [greedy] * 6 + constrained)
+    mixed = llm.generate(prompts + prompts[:4], [greedy] * 6 + constrained)
     assert [o.token_ids for o in mixed[:6]] == alone
     assert re.fullmatch("[a-z]{5,30}", mixed[6].text)
     assert mixed[8].text in CHOICES
+    assert re.fullmatch(GRAMMAR_LANGUAGE, mixed[9].text), mixed[9].text
     assert_kv_cache_clean(llm)
 
 
@@ -114,6 +131,9 @@ def test_each_grammar_compiles_once(tiny_model_dir: Path) -> None:
         ({"regex": "[0-9"}, "regex"),
         ({"choice": []}, "choice"),
         ({"regex": "a", "json_object": True}, "regex"),
+        ({"grammar": "root ::= (unclosed"}, "grammar"),
+        ({"grammar": 'start ::= "a"'}, "grammar"),  # no rule `root`
+        ({"grammar": 'root ::= "a"', "regex": "a"}, "grammar"),
     ],
 )
 def test_invalid_constraints_name_their_field(

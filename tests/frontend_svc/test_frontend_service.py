@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
-from tests.engine_svc.test_structured_output import ENDLESS_SCHEMA
+from tests.engine_svc.test_structured_output import ENDLESS_SCHEMA, GRAMMAR, GRAMMAR_LANGUAGE
 from tests.frontend_svc.frontend_helpers import frontend_stub, greedy, stream_texts
 from tests.service_processes import (
     SERVING,
@@ -306,6 +306,16 @@ def test_prompt_logprobs_come_once_and_equal_hf(services: Services, hf: tuple[An
             assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
 
 
+def test_an_ebnf_grammar_shapes_every_choice(services: Services) -> None:
+    params = pb.SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=24, grammar=GRAMMAR)
+    request = pb.GenerateRequest(prompt="Pets:", sampling_params=params)
+    response = generate_all(services.frontend.address, [request])[0]
+    assert len(response.choices) == 3
+    for choice in response.choices:
+        assert re.fullmatch(GRAMMAR_LANGUAGE, choice.text), choice.text
+        assert choice.finish_reason == pb.FINISH_REASON_STOP
+
+
 def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, Any]) -> None:
     model, tokenizer = hf
     messages = [{"role": "user", "content": "Hello! 你好 😀"}]
@@ -344,6 +354,8 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.logit_bias"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(prompt_logprobs=21)},
          "sampling_params.prompt_logprobs"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(grammar='start ::= "a"')},
+         "sampling_params.grammar"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(regex="[0-9")},
          "sampling_params.regex"),  # refused by the engine's server before its busy loop
         ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},

@@ -27,7 +27,7 @@ from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
 SERVER_TYPE = "duoserve"
-_SUPPORTED_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice")
+_SUPPORTED_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 # ---- Generate's request ------------------------------------------------------------------
@@ -106,13 +106,12 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
 
 
 def _refuse_unsupported_sampling(params: vpb.SamplingParams) -> None:
-    unsupported: dict[str, tuple[bool, str]] = {}
     kind = params.WhichOneof("constraint")
     if kind is not None and kind not in _SUPPORTED_CONSTRAINTS:
-        unsupported[kind] = (True, f"not supported; use one of {', '.join(_SUPPORTED_CONSTRAINTS)}")
-    for field, (given, why) in unsupported.items():
-        if given:
-            raise InvalidRequestError(f"sampling_params.{field}", why)
+        raise InvalidRequestError(
+            f"sampling_params.{kind}",
+            f"not supported; use one of {', '.join(_SUPPORTED_CONSTRAINTS)}",
+        )
 
 
 def _constraint_options(params: vpb.SamplingParams) -> dict[str, Any]:
