@@ -50,6 +50,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect) from `root`
+    # A structural tag as JSON (tool calls): vLLM's {"structures": [...], "triggers": [...]}
+    # or xgrammar's {"type": "structural_tag", "format": {...}}.
+    structural_tag: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -68,6 +71,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             return ("choice", "\x00".join(self.choice))
         if self.grammar is not None:
             return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            return ("structural_tag", self.structural_tag)
         return None
 
     def ending_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
@@ -148,13 +153,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         ]
         _check(
             len(given) <= 1,
             given[-1] if given else "",
-            "give at most one of json_schema, json_object, regex, choice, grammar",
+            "give at most one of json_schema, json_object, regex, choice, grammar, structural_tag",
         )
         if self.choice is not None:
             _check(bool(self.choice) and all(self.choice), "choice", "needs non-empty strings")

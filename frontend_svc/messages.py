@@ -48,6 +48,7 @@ class SamplingOptions:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # JSON
     # Applied by the frontend, never sent to an engine.
     n: int = 1
     stop: tuple[str, ...] = ()

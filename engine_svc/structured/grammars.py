@@ -12,7 +12,7 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 def check_constraint(params: SamplingParams) -> None:
-    """Parse the constraint without a tokenizer (cheap); a bad schema, regex or grammar raises
+    """Parse the constraint without a tokenizer (cheap); a bad schema, regex, grammar or tag raises
     InvalidRequestError naming its field, before the request reaches the engine loop."""
     constraint = params.constraint
     if constraint is None:
@@ -45,7 +45,34 @@ def grammar_of(params: SamplingParams) -> Any:
         return xgr.Grammar.from_ebnf(f"root ::= {literals}")
     if params.grammar is not None:
         return xgr.Grammar.from_ebnf(params.grammar)
+    if params.structural_tag is not None:
+        return _structural_tag_grammar(xgr, params.structural_tag)
     return None
+
+
+def _structural_tag_grammar(xgr: Any, spec: str) -> Any:
+    """vLLM's structural tag (a list of {begin, schema, end} structures and the triggers that
+    start them), or xgrammar's own format, which the JSON's shape tells apart as vLLM does."""
+    try:
+        tag = json.loads(spec)
+    except ValueError as error:
+        raise InvalidRequestError("structural_tag", f"not valid JSON: {error}") from error
+    if isinstance(tag, dict) and "structures" in tag:
+        try:
+            items = [
+                xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            triggers = [str(t) for t in tag["triggers"]]
+        except (KeyError, TypeError) as error:
+            raise InvalidRequestError(
+                "structural_tag",
+                'needs "structures" of {"begin", "schema", "end"} and "triggers"',
+            ) from error
+        return xgr.Grammar.from_structural_tag(items, triggers)
+    return xgr.Grammar.from_structural_tag(spec)
 
 
 def _short(error: Exception) -> str:

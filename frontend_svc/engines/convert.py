@@ -45,6 +45,8 @@ def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
         params.choice.choices.extend(sampling.choice)
     elif sampling.grammar is not None:
         params.grammar = sampling.grammar
+    elif sampling.structural_tag is not None:
+        params.structural_tag = sampling.structural_tag
     return params
 
 

@@ -1,5 +1,5 @@
-"""Structured output: sampled text always obeys its JSON schema, regex, choice or EBNF grammar,
-and the unconstrained requests of the same batch are untouched."""
+"""Structured output: sampled text always obeys its JSON schema, regex, choice, EBNF grammar or
+structural tag, and the unconstrained requests of the same batch are untouched."""
 
 from __future__ import annotations
 
@@ -33,6 +33,35 @@ pet ::= colour " " animal
 colour ::= "red" | "green" | "blue"
 animal ::= "cat" | "dog"'''
 GRAMMAR_LANGUAGE = r"(red|green|blue) (cat|dog)(, (red|green|blue) (cat|dog))?"
+# A tool call as a structural tag: free text, except that what follows the trigger is the tag
+# (vLLM's format); xgrammar's format can also demand exactly one call and nothing else.
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CALL = {"begin": "<function=get_weather>", "schema": CITY_SCHEMA, "end": "</function>"}
+VLLM_TAG = json.dumps({"structures": [CALL], "triggers": ["<function="]})
+ONE_CALL_TAG = json.dumps(
+    {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<function="],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": CALL["begin"],
+                    "content": {"type": "json_schema", "json_schema": CITY_SCHEMA},
+                    "end": CALL["end"],
+                }
+            ],
+            "at_least_one": True,
+            "stop_after_first": True,
+        },
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +88,43 @@ def test_json_schema_outputs_always_validate(default_llm: LLM) -> None:
     for output in default_llm.generate([prompt] * 20, params):
         assert output.finish_reason == "stop", output.text
         jsonschema.validate(json.loads(output.text), PERSON_SCHEMA)
+    assert_kv_cache_clean(default_llm)
+
+
+@pytest.mark.default_model
+def test_structural_tags_shape_the_tool_calls(default_llm: LLM) -> None:
+    prompt = _chat(
+        default_llm,
+        'What is the weather in Paris? Answer with <function=get_weather>{"city": ...}</function>',
+    )
+    forced = default_llm.generate(
+        [prompt] * 6,
+        [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=60, structural_tag=ONE_CALL_TAG)
+            for i in range(6)
+        ],
+    )
+    for output in forced:
+        call = re.fullmatch(r"<function=get_weather>(.*)</function>", output.text, re.DOTALL)
+        assert call and output.finish_reason == "stop", output.text
+        jsonschema.validate(json.loads(call[1]), CITY_SCHEMA)
+    free = default_llm.generate(
+        [prompt] * 6,
+        [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=80, structural_tag=VLLM_TAG)
+            for i in range(6)
+        ],
+    )
+    for output in free:
+        # Wherever the trigger appears, a whole call follows (unless max_tokens cut it).
+        for start in (m.start() for m in re.finditer("<function=", output.text)):
+            call = re.match(
+                r"<function=get_weather>(.*?)</function>", output.text[start:], re.DOTALL
+            )
+            if call is None:
+                assert output.finish_reason == "length", output.text
+                continue
+            jsonschema.validate(json.loads(call[1]), CITY_SCHEMA)
     assert_kv_cache_clean(default_llm)
 
 
@@ -134,6 +200,15 @@ def test_each_grammar_compiles_once(tiny_model_dir: Path) -> None:
         ({"grammar": "root ::= (unclosed"}, "grammar"),
         ({"grammar": 'start ::= "a"'}, "grammar"),  # no rule `root`
         ({"grammar": 'root ::= "a"', "regex": "a"}, "grammar"),
+        ({"structural_tag": "{nope"}, "structural_tag"),
+        (
+            {"structural_tag": '{"structures": [{"begin": "a"}], "triggers": ["a"]}'},
+            "structural_tag",
+        ),
+        (
+            {"structural_tag": '{"type": "structural_tag", "format": {"type": "?"}}'},
+            "structural_tag",
+        ),
     ],
 )
 def test_invalid_constraints_name_their_field(

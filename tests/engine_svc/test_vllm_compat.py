@@ -64,9 +64,11 @@ def test_set_fields_pass_through() -> None:
     assert params.regex == "a+"
 
 
-def test_an_ebnf_grammar_passes_through() -> None:
+def test_an_ebnf_grammar_and_a_structural_tag_pass_through() -> None:
     params = convert.to_sampling_params(vpb.SamplingParams(grammar='root ::= "a" | "b"'))
     assert params.grammar == 'root ::= "a" | "b"' and params.constraint is not None
+    tag = '{"structures": [], "triggers": []}'
+    assert convert.to_sampling_params(vpb.SamplingParams(structural_tag=tag)).structural_tag == tag
 
 
 def test_logit_bias_passes_through() -> None:
@@ -96,7 +98,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
             "sampling_params.logit_bias",
         ),
         (generate_request(grammar="root ::= 'a'"), "sampling_params.grammar"),  # GBNF quotes "
-        (generate_request(structural_tag="{}"), "sampling_params.structural_tag"),
+        (generate_request(structural_tag="{oops"), "sampling_params.structural_tag"),
         (generate_request(truncate_prompt_tokens=-1), "sampling_params.truncate_prompt_tokens"),
         (generate_request(top_p=1.5), "sampling_params.top_p"),
         (generate_request(logprobs=-1), "sampling_params.logprobs"),

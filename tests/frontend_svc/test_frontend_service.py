@@ -356,6 +356,8 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.prompt_logprobs"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(grammar='start ::= "a"')},
          "sampling_params.grammar"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(structural_tag='{"x": 1}')},
+         "sampling_params.structural_tag"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(regex="[0-9")},
          "sampling_params.regex"),  # refused by the engine's server before its busy loop
         ({"prompt": "a", "sampling_params": pb.SamplingParams(json_schema="{oops")},

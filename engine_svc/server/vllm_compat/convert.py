@@ -27,7 +27,14 @@ from shared.engine_load import RankLoad
 from shared.errors import InvalidRequestError
 
 SERVER_TYPE = "duoserve"
-_SUPPORTED_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_SUPPORTED_CONSTRAINTS = (
+    "json_schema",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+    "structural_tag",
+)
 
 
 # ---- Generate's request ------------------------------------------------------------------
