@@ -206,7 +206,12 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(entry.request_id)
             request = self.requests.get(entry.request_id)
             chunk = runner_output.prompt_logprobs.get(entry.request_id)
-            if chunk is not None and request is not None:
+            if (
+                chunk is not None
+                and request is not None
+                and request.status == RequestStatus.RUNNING
+            ):
+                # (A chunk of a request preempted while it ran is computed again.)
                 request.add_prompt_logprobs(chunk)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a prefill chunk short of the end, or aborted while in flight
