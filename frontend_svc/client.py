@@ -1,10 +1,12 @@
 """A small command-line client for people: `python -m frontend_svc.client "Tell me a story"
 --stream --max-tokens 64` prints the text as it arrives; `--chat` holds a conversation, and
-`--chat "question"` asks one question through the chat template."""
+`--chat "question"` asks one question through the chat template; `--score "a text"` prints
+how likely the model finds each of the text's tokens (prompt logprobs) and its perplexity."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Iterable
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("prompt", nargs="?", help="the prompt (with --chat: one question, then exit)")
     add("--address", default="127.0.0.1:50051", help="the frontend (default: %(default)s)")
     add("--chat", action="store_true", help="talk to the model with its chat template")
+    add("--score", action="store_true", help="score the prompt: its tokens' logprobs")
     add("--system", help="a system message for --chat")
     add("--stream", action="store_true", help="print text as it arrives")
     add("--max-tokens", type=int, default=128, help="default: %(default)s")
@@ -111,6 +114,21 @@ def generate(
     return print_unary(stub.Generate(request, timeout=args.timeout, metadata=metadata))
 
 
+def score(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
+    """Each prompt token after the first: its logprob and rank; then the total and the
+    perplexity over them."""
+    params = pb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    request = pb.GenerateRequest(prompt=args.prompt, sampling_params=params)
+    response = stub.Generate(request, timeout=args.timeout, metadata=call_metadata(args.auth_token))
+    entries = response.prompt_logprobs
+    for position, entry in enumerate(entries, start=1):
+        token, logprob = entry.token_id, entry.logprob
+        print(f"{position:6d} token {token:7d}  logprob {logprob:9.4f}  rank {entry.rank}")
+    total = sum(entry.logprob for entry in entries)
+    perplexity = math.exp(-total / len(entries)) if entries else float("nan")
+    print(f"{len(entries)} tokens scored: total logprob {total:.4f}, perplexity {perplexity:.3f}")
+
+
 def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     if args.prompt is not None:
@@ -145,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt is None and not args.chat:
         parser.error("give a prompt, or --chat")
+    if args.score and args.chat:
+        parser.error("--score takes a prompt, not --chat")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     try:
@@ -164,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.chat:
                 chat(stub, args)
+            elif args.score:
+                score(stub, args)
             else:
                 request = pb.GenerateRequest(
                     prompt=args.prompt, sampling_params=sampling_params(args)

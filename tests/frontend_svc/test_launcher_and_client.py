@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,6 +102,13 @@ def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir:
         assert "4 completion tokens" in one_turn.stderr
         misuse = client(address, "A prompt", "--system", "You are brief.")
         assert misuse.returncode == 2 and "--system needs --chat" in misuse.stderr
+        scored = client(address, "--score", "The capital of France is Paris.")
+        assert scored.returncode == 0, scored.stderr
+        *tokens, summary = scored.stdout.strip().splitlines()
+        logprobs = [float(line.split("logprob")[1].split()[0]) for line in tokens]
+        count, total = re.search(r"(\d+) tokens scored: total logprob (\S+),", summary).groups()
+        assert int(count) == len(logprobs) > 0 and all(lp <= 0 for lp in logprobs)
+        assert abs(float(total) - sum(logprobs)) < 1e-3 * len(logprobs)
 
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 0
