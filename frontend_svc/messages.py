@@ -54,6 +54,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
 
     def for_choice(self, index: int) -> SamplingOptions:
         """Choice i samples with seed + i, so n seeded choices differ yet are reproducible.

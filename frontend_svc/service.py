@@ -72,6 +72,9 @@ class Frontend:
         """The request validated and tokenized; its choices' engine calls derive from it."""
         validate_request(request)
         field, prompt_token_ids = self._prompt_token_ids(request)
+        keep = request.sampling.truncate_prompt_tokens
+        if keep is not None:
+            prompt_token_ids = prompt_token_ids[-keep:]
         validate_prompt(field, prompt_token_ids, self.model_info())
         return EngineRequest(
             request_id=request.request_id or uuid.uuid4().hex,

@@ -51,6 +51,8 @@ def validate_sampling(sampling: SamplingOptions) -> None:
         raise InvalidRequestError("sampling_params.n", f"must be in [1, {MAX_N}]")
     if sampling.seed is not None and sampling.seed + sampling.n > MAX_SEED:
         raise InvalidRequestError("sampling_params.seed", "seed + n must be at most 2^63")
+    if sampling.truncate_prompt_tokens is not None and sampling.truncate_prompt_tokens < 1:
+        raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "must be at least 1")
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(
             "sampling_params.stop", f"{len(sampling.stop)} stop strings is over {MAX_STOP_STRINGS}"

@@ -59,6 +59,9 @@ def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
         skip_special_tokens=(
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
         ),
+        truncate_prompt_tokens=(
+            params.truncate_prompt_tokens if params.HasField("truncate_prompt_tokens") else None
+        ),
         **_constraint_options(params),
     )
 

@@ -306,6 +306,25 @@ def test_prompt_logprobs_come_once_and_equal_hf(services: Services, hf: tuple[An
             assert list(entry.top_token_ids) == row.topk(3).indices.tolist()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(services: Services) -> None:
+    prompt = list(range(100, 180))
+    truncated = greedy(6, truncate_prompt_tokens=12)
+    long_text = "word " * 1100  # over the tiny model's 1,024 tokens, refused without truncation
+    whole, last, text = generate_all(
+        services.frontend.address,
+        [
+            pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=truncated),
+            pb.GenerateRequest(prompt_token_ids=prompt[-12:], sampling_params=greedy(6)),
+            pb.GenerateRequest(
+                prompt=long_text, sampling_params=greedy(2, truncate_prompt_tokens=100)
+            ),
+        ],
+    )
+    assert list(whole.choices[0].token_ids) == list(last.choices[0].token_ids)
+    assert whole.usage.prompt_tokens == last.usage.prompt_tokens == 12
+    assert text.usage.prompt_tokens == 100
+
+
 def test_an_ebnf_grammar_shapes_every_choice(services: Services) -> None:
     params = pb.SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=24, grammar=GRAMMAR)
     request = pb.GenerateRequest(prompt="Pets:", sampling_params=params)
@@ -354,6 +373,8 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.logit_bias"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(prompt_logprobs=21)},
          "sampling_params.prompt_logprobs"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(truncate_prompt_tokens=0)},
+         "sampling_params.truncate_prompt_tokens"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(grammar='start ::= "a"')},
          "sampling_params.grammar"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(structural_tag='{"x": 1}')},
