@@ -43,6 +43,7 @@ def compute_prompt_logprobs(
         if samples:
             token_ids = torch.tensor(targets[begin:end], dtype=torch.long, device=hidden.device)
             entries.extend(token_logprobs(logits, token_ids, num_top[begin:end], kernels))
+        del logits  # before the next block's: one block of logits at a time
     if not samples:
         return {}
     chunks: dict[str, PromptLogprobsChunk] = {}

@@ -23,6 +23,17 @@ SCENARIOS: dict[str, tuple[dict[str, Any], bool, str | None]] = {
     "prefix_caching": ({"enable_prefix_caching": True}, True, "hits"),
     "preemption": ({"num_kv_blocks": 30, "max_model_len": 400}, False, "preemptions"),
     "batch_queue": ({"max_concurrent_batches": 2, "max_num_batched_tokens": 64}, False, None),
+    # Preempted with outputs of the request still in flight in the other batches.
+    "batch_queue_preemption": (
+        {
+            "max_concurrent_batches": 3,
+            "max_num_batched_tokens": 64,
+            "num_kv_blocks": 30,
+            "max_model_len": 400,
+        },
+        False,
+        "preemptions",
+    ),
     # The plain-torch attention, as on CUDA or where the C++ kernels cannot build.
     "torch_attention": ({"cpu_kernels": False}, True, None),
     "no_caching_no_chunking": (

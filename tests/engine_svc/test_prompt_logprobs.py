@@ -30,9 +30,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # Chunks too: a prompt preempted between its chunks is recomputed from its start.
     "preemption": {"num_kv_blocks": 30, "max_model_len": 400, "max_num_batched_tokens": 32},
     "batch_queue": {"max_concurrent_batches": 2, "max_num_batched_tokens": 64},
-    # Preempted while a chunk of its prompt is still in flight in the other batch.
+    # Preempted while chunks of its prompt are still in flight in the other batches.
     "batch_queue_preemption": {
-        "max_concurrent_batches": 2,
+        "max_concurrent_batches": 3,
         "max_num_batched_tokens": 32,
         "num_kv_blocks": 30,
         "max_model_len": 400,

@@ -25,6 +25,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache before this step
     new_block_ids: list[int]  # blocks to append to the request's block table
     new_request: NewRequestData | None = None
+    # The request's preemptions when scheduled: the outputs of a batch that was in flight
+    # when it was preempted are stale (it is computed again from its start).
+    num_preemptions: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

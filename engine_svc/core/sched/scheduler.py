@@ -183,6 +183,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new],
             num_computed_tokens=start,
             new_block_ids=new_block_ids,
+            num_preemptions=request.num_preemptions,
         )
         # Advanced now, not after the forward, so a pipelined next batch sees it.
         request.num_computed_tokens += num_new
@@ -203,18 +204,19 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         max_model_len = self.config.max_model_len
         for entry in scheduler_output.scheduled:
-            token_id = runner_output.sampled_token_ids.get(entry.request_id)
             request = self.requests.get(entry.request_id)
-            chunk = runner_output.prompt_logprobs.get(entry.request_id)
             if (
-                chunk is not None
-                and request is not None
-                and request.status == RequestStatus.RUNNING
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or entry.num_preemptions != request.num_preemptions
             ):
-                # (A chunk of a request preempted while it ran is computed again.)
+                continue  # aborted, or preempted while this batch ran: it runs again
+            chunk = runner_output.prompt_logprobs.get(entry.request_id)
+            if chunk is not None:
                 request.add_prompt_logprobs(chunk)
-            if token_id is None or request is None or request.status != RequestStatus.RUNNING:
-                continue  # a prefill chunk short of the end, or aborted while in flight
+            token_id = runner_output.sampled_token_ids.get(entry.request_id)
+            if token_id is None:
+                continue  # a prefill chunk short of the end of the request's tokens
             if request.structured is not None and not self._grammar_takes(request, token_id):
                 outputs.append(self._end_dead_end(request))
                 continue
