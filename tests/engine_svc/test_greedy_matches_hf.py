@@ -147,6 +147,16 @@ DEFAULT_SCENARIOS = {
     **SCENARIOS,
     "chunked_prefill": ({"max_num_batched_tokens": 24}, False, None),
     "preemption": ({"num_kv_blocks": 12, "max_model_len": 128}, False, "preemptions"),
+    "batch_queue_preemption": (
+        {
+            "max_concurrent_batches": 3,
+            "max_num_batched_tokens": 64,
+            "num_kv_blocks": 12,
+            "max_model_len": 128,
+        },
+        False,
+        "preemptions",
+    ),
 }
 
 
