@@ -115,4 +115,5 @@ def merge_into(earlier: EngineCoreOutput, later: EngineCoreOutput) -> None:
     earlier.stop_reason = later.stop_reason
     earlier.num_cached_tokens = later.num_cached_tokens
     earlier.error = later.error
+    earlier.invalid_field = later.invalid_field
     earlier.times = earlier.times or later.times

@@ -35,6 +35,31 @@ def test_a_lagging_consumer_gets_one_merged_message() -> None:
     asyncio.run(body())
 
 
+def test_a_merged_message_keeps_the_field_a_failed_request_names() -> None:
+    """A constraint that runs out ends its request naming the field (INVALID_ARGUMENT for gRPC
+    callers); merged behind tokens a lagging reader had not taken, it must still name it."""
+
+    async def body() -> None:
+        stream = RequestOutputStream("r")
+        stream.put(_output(1))
+        prompt = [TokenLogprobs(7, -1.0, 3, [], [])]
+        stream.put(EngineCoreOutput(request_id="r", new_token_ids=[2], prompt_logprobs=prompt))
+        dead_end = EngineCoreOutput(
+            request_id="r",
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            error="no token can follow",
+            invalid_field="json_schema",
+        )
+        stream.put(dead_end)
+        merged = await stream.get()
+        assert merged.new_token_ids == [1, 2] and merged.prompt_logprobs == prompt
+        assert merged.finish_reason == FinishReason.ERROR and merged.error == "no token can follow"
+        assert merged.invalid_field == "json_schema"
+
+    asyncio.run(body())
+
+
 def test_outputs_already_produced_come_before_the_error() -> None:
     async def body() -> None:
         stream = RequestOutputStream("r")
