@@ -35,19 +35,24 @@ def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
         value = getattr(sampling, name)
         if value is not None:
             setattr(params, name, value)
-    if sampling.json_schema is not None:
-        params.json_schema = sampling.json_schema
-    elif sampling.json_object:
-        params.json_object = True
-    elif sampling.regex is not None:
-        params.regex = sampling.regex
-    elif sampling.choice is not None:
-        params.choice.choices.extend(sampling.choice)
-    elif sampling.grammar is not None:
-        params.grammar = sampling.grammar
-    elif sampling.structural_tag is not None:
-        params.structural_tag = sampling.structural_tag
+    _set_constraint(params, sampling)
     return params
+
+
+# The constraint oneof's members, named alike in SamplingOptions; the first given is sent.
+_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def _set_constraint(params: pb.SamplingParams, sampling: SamplingOptions) -> None:
+    for kind in _CONSTRAINTS:
+        value = getattr(sampling, kind)
+        if value is None or value is False:
+            continue
+        if kind == "choice":
+            params.choice.choices.extend(value)
+        else:
+            setattr(params, kind, value)
+        return
 
 
 def to_engine_output(response: pb.GenerateResponse) -> EngineOutput:

@@ -95,9 +95,7 @@ def to_output_logprobs(logprobs: list[TokenLogprobs]) -> vpb.OutputLogProbs:
     return vpb.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in logprobs],
         token_ids=[lp.token_id for lp in logprobs],
-        top_logprobs=[
-            vpb.TopLogProbs(values=lp.top_logprobs, token_ids=lp.top_token_ids) for lp in logprobs
-        ],
+        top_logprobs=[_top(lp) for lp in logprobs],
     )
 
 
@@ -110,9 +108,9 @@ def to_input_logprobs(
         token_logprobs=[vpb.InputTokenLogProb()]
         + [vpb.InputTokenLogProb(value=lp.logprob) for lp in prompt_logprobs],
         token_ids=prompt_token_ids,
-        top_logprobs=[vpb.TopLogProbs()]
-        + [
-            vpb.TopLogProbs(values=lp.top_logprobs, token_ids=lp.top_token_ids)
-            for lp in prompt_logprobs
-        ],
+        top_logprobs=[vpb.TopLogProbs()] + [_top(lp) for lp in prompt_logprobs],
     )
+
+
+def _top(logprobs: TokenLogprobs) -> vpb.TopLogProbs:
+    return vpb.TopLogProbs(values=logprobs.top_logprobs, token_ids=logprobs.top_token_ids)
