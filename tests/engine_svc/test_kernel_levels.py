@@ -2,20 +2,17 @@
 compiles to AVX-512, AVX2, plain C++ and NEON (engine_svc/kernels/csrc/vec.h), and each
 level this CPU runs passes the kernel tests and the greedy exactness checks in a process
 of its own (a process loads one build of the ops). A level this CPU cannot run is built
-without being loaded; aarch64's NEON code is compiled with a cross compiler. So CI on an
-AVX-512 machine covers the AVX2 code, and an AVX2 machine the AVX-512 code's compile."""
+without being loaded (aarch64's NEON code: test_kernel_neon.py). So CI on an AVX-512
+machine covers the AVX2 code, and an AVX2 machine the AVX-512 code's compile."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch.utils import cpp_extension
 
 from engine_svc.kernels import build, loader
 
@@ -40,7 +37,6 @@ EXACTNESS_TESTS = [
     "tests/engine_svc/test_greedy_matches_hf.py::test_default_model_greedy_matches_hf[all_at_once]",
 ]
 X86_LEVELS = loader.X86_LEVELS
-CROSS_COMPILER = "aarch64-linux-gnu-g++"
 
 pytestmark = pytest.mark.skipif(
     loader.platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels"
@@ -118,26 +114,3 @@ def test_make_kernels_builds_the_levels_tested_beside_the_native_one(
     assert loader.other_levels(native) == others
     for level in others:
         assert X86_LEVELS[level] != native
-
-
-# Compiled with the sources: fails unless vec.h took its NEON branch, not the generic one.
-NEON_PROBE = """
-#include "vec.h"
-#include <string_view>
-static_assert(std::string_view(DUOSERVE_CAPABILITY) == "neon");
-static_assert(duoserve::kLanes == 4 && duoserve::kVectorRegisters == 32);
-"""
-
-
-def test_the_neon_code_compiles_for_aarch64(tmp_path: Path) -> None:
-    """Compile-only: no aarch64 machine or torch libraries here to link and run it."""
-    compiler = shutil.which(CROSS_COMPILER)
-    assert compiler, f"{CROSS_COMPILER} is missing: make test installs it (make cross-compiler)"
-    probe = tmp_path / "neon_probe.cpp"
-    probe.write_text(NEON_PROBE)
-    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
-    abi = int(torch.compiled_with_cxx11_abi())
-    flags = [*includes, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    flags += ["-std=c++20", "-O2", "-fPIC", "-march=armv8.2-a", "-fopenmp"]
-    objects = build.compile_objects([probe, *loader.SOURCES], tmp_path, compiler, flags)
-    assert all(path.stat().st_size > 0 for path in objects)
