@@ -4,7 +4,8 @@ at start-up. The core then trusts the typed request it is given and checks nothi
 
 A request that could never finish is refused here, naming the field: sampling parameters out
 of range, a constraint that does not parse, an empty prompt or unknown token ids (in the
-prompt, stop_token_ids or logit_bias), a prompt and max_tokens (or min_tokens) that do not
+prompt, stop_token_ids, logit_bias, allowed_token_ids or bad words), allowed tokens that the bad
+words or min_tokens leave none of, a prompt and max_tokens (or min_tokens) that do not
 fit the model length or the KV cache.
 """
 
@@ -42,12 +43,25 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
         raise InvalidRequestError(
             "logit_bias", f"token id {biased} is not in [0, {limits.vocab_size})"
         )
+    for field, token_ids in (
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_token_ids", (t for word in params.bad_words_token_ids or () for t in word)),
+    ):
+        outside = next((t for t in token_ids if t >= limits.vocab_size), None)
+        if outside is not None:
+            raise InvalidRequestError(
+                field, f"token id {outside} is not in [0, {limits.vocab_size})"
+            )
     held_back = params.ending_token_ids(limits.eos_token_ids)
     if params.min_tokens > 0 and len(held_back) >= limits.vocab_size:
         raise InvalidRequestError(
             "stop_token_ids",
             "with these and EOS held back until min_tokens, no token is left to sample",
         )
+    # The first token: later ones are checked as the output grows (the scheduler).
+    refusal = params.refusal_of_every_token([], limits.eos_token_ids, limits.vocab_size)
+    if refusal is not None:
+        raise InvalidRequestError(*refusal)
     if num_prompt >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt_token_ids",

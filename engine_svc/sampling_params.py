@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -44,6 +44,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to these tokens' logits before penalties, temperature and the draw (vLLM's and
     # OpenAI's logit_bias); logprobs stay the model's own.
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids). Logprobs stay the model's.
+    allowed_token_ids: list[int] | None = None
+    # Token sequences never generated whole (vLLM's bad_words, tokenized): a word's last token
+    # is masked out wherever the output so far ends with the rest of it.
+    bad_words_token_ids: list[list[int]] | None = None
     # Structured output: at most one of these constrains what may be generated.
     json_schema: str | None = None  # a JSON Schema, as text
     json_object: bool = False  # any JSON object
@@ -82,6 +87,55 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not self.ignore_eos:
             ending.update(eos_token_ids)
         return ending
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether allowed_token_ids or bad words mask the logits."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    def bad_word_bans(self, output_token_ids: Sequence[int]) -> set[int]:
+        """The tokens the bad words mask out after these output tokens: each word's last token
+        where the output ends with the rest of the word (the output alone, not the prompt, as
+        vLLM; a one-token word always)."""
+        bans: set[int] = set()
+        num_output = len(output_token_ids)
+        for word in self.bad_words_token_ids or ():
+            prefix = len(word) - 1
+            if prefix == 0 or (
+                prefix <= num_output and list(output_token_ids[num_output - prefix :]) == word[:-1]
+            ):
+                bans.add(word[-1])
+        return bans
+
+    def refusal_of_every_token(
+        self, output_token_ids: Sequence[int], eos_token_ids: Iterable[int], vocab_size: int
+    ) -> tuple[str, str] | None:
+        """(field, why) when allowed_token_ids, the bad words and min_tokens together leave no
+        token to sample after these output tokens; None while one is left. A grammar's own
+        mask is not counted here (engine_svc/structured/manager.py counts it)."""
+        bans = self.bad_word_bans(output_token_ids)
+        held = (
+            self.ending_token_ids(eos_token_ids)
+            if len(output_token_ids) < self.min_tokens
+            else set()
+        )
+        allowed = self.allowed_token_ids
+        if allowed is None and vocab_size <= 0:
+            return None  # the vocabulary is unknown (a scheduler without a model's limits)
+        if len(bans) + len(held) < (vocab_size if allowed is None else len(allowed)):
+            return None  # fewer masked than there are tokens to choose from
+        left = set(range(vocab_size) if allowed is None else allowed) - bans
+        if not left:
+            return (
+                "bad_words_token_ids",
+                "they ban every token allowed_token_ids allows"
+                if allowed is not None
+                else "they ban every token",
+            )
+        if not left - held:
+            field = "allowed_token_ids" if allowed is not None else "bad_words_token_ids"
+            return (field, "before min_tokens, only tokens that end the request are left")
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -141,6 +195,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ),
                 "logit_bias",
                 f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids) and all(t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must list at least one token id, each >= 0",
+            )
+        if self.bad_words_token_ids:
+            _check(
+                all(word and all(t >= 0 for t in word) for word in self.bad_words_token_ids),
+                "bad_words_token_ids",
+                "each must be a non-empty sequence of token ids >= 0",
             )
         self._validate_constraint()
 

@@ -21,6 +21,8 @@ from shared.sampling_fields import OPTIONAL_SAMPLING_FIELDS, PLAIN_SAMPLING_FIEL
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 262_144  # more than any supported model's vocabulary
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 64
 MAX_ABORT_IDS = 10_000
 
 
@@ -51,6 +53,21 @@ def to_sampling_params(params: pb.SamplingParams) -> SamplingParams:
             "sampling_params.logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries"
         )
         options["logit_bias"] = dict(params.logit_bias)
+    if params.allowed_token_ids:
+        _check_size(
+            "sampling_params.allowed_token_ids",
+            len(params.allowed_token_ids),
+            MAX_ALLOWED_TOKEN_IDS,
+        )
+        options["allowed_token_ids"] = list(params.allowed_token_ids)
+    if params.bad_words_token_ids:
+        words = params.bad_words_token_ids
+        _check_size("sampling_params.bad_words_token_ids", len(words), MAX_BAD_WORDS, "words")
+        longest = max(len(word.token_ids) for word in words)
+        _check_size(
+            "sampling_params.bad_words_token_ids", longest, MAX_BAD_WORD_TOKENS, "tokens a word"
+        )
+        options["bad_words_token_ids"] = [list(word.token_ids) for word in words]
     options.update(_constraint_options(params))
     # Checked by the engine client that takes the request (engine_svc/admission.py), in this
     # process: a bad value, schema or regex never reaches the engine's busy loop.

@@ -55,31 +55,45 @@ class StructuredOutputManager:
 
 def _release_dead_ends(bitmask: Any, rows: list[tuple[Request, StructuredRequestState]]) -> None:
     """Rows that leave their request no token to draw: the grammar allows none (a regex
-    whose language is empty, a schema that can never close), or only tokens min_tokens holds
-    back (a finished choice whose one continuation is EOS). Each such state records why, for
-    the scheduler to end its request naming the constraint, and its row allows every token,
-    so the sampler draws from a normal distribution rather than from all -inf (the draw is
-    then dropped)."""
+    whose language is empty, a schema that can never close), or only tokens the request's
+    other masks take away (min_tokens holding back a finished choice's one continuation, EOS;
+    allowed_token_ids; its bad words). Each such state records why, for the scheduler to end
+    its request naming the constraint, and its row allows every token, so the sampler draws
+    from a normal distribution rather than from all -inf (the draw is then dropped)."""
     blocked = (~bitmask.any(dim=1)).tolist()
     for row, (request, state) in enumerate(rows):
         if blocked[row]:
             state.dead_end = "the constraint cannot be completed"
-        elif _only_held_back_allowed(bitmask[row], request):
-            state.dead_end = "the constraint allows no token that min_tokens does not hold back"
+        elif _only_masked_tokens_allowed(bitmask[row], request):
+            state.dead_end = (
+                "the constraint allows no token that min_tokens, allowed_token_ids and the bad "
+                "words leave"
+            )
         else:
             continue
         bitmask[row] = -1  # all 32 bits of every word set
 
 
-def _only_held_back_allowed(words: Any, request: Request) -> bool:
-    """Whether every token the row allows is one min_tokens still holds back (the stop
-    token ids, and EOS unless ignored). Rare (constrained rows before min_tokens), so plain
+def _only_masked_tokens_allowed(words: Any, request: Request) -> bool:
+    """Whether every token the row allows is one the sampler masks out besides the grammar:
+    held back by min_tokens (the stop token ids, and EOS unless ignored), outside
+    allowed_token_ids, or banned by a bad word. Rare (constrained rows with those), so plain
     Python on the row's words."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    holding = request.num_output_tokens < params.min_tokens
+    if not holding and not params.restricts_tokens:
         return False
     allowed = [word & 0xFFFFFFFF for word in words.tolist()]
-    for token_id in params.ending_token_ids(request.eos_token_ids):
+    if params.allowed_token_ids is not None:
+        kept = [0] * len(allowed)
+        for token_id in params.allowed_token_ids:
+            if token_id >> 5 < len(kept):
+                kept[token_id >> 5] |= 1 << (token_id & 31)
+        allowed = [word & keep for word, keep in zip(allowed, kept, strict=True)]
+    masked = params.bad_word_bans(request.output_token_ids)
+    if holding:
+        masked |= params.ending_token_ids(request.eos_token_ids)
+    for token_id in masked:
         if token_id >> 5 < len(allowed):
             allowed[token_id >> 5] &= ~(1 << (token_id & 31))
     return not any(allowed)

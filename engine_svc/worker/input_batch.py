@@ -44,14 +44,18 @@ class RunnerRequestState:
     def sampling_row(self) -> SamplingRow:
         n = self.num_prompt_tokens
         output_index = len(self.token_ids) - n
-        has_penalties = self.sampling_params.has_penalties
-        held_back = self.sampling_params.min_tokens > output_index
+        params = self.sampling_params
+        held_back = params.min_tokens > output_index
+        banned = self.held_back_token_ids if held_back else ()
+        if params.bad_words_token_ids:
+            bans = params.bad_word_bans(self.token_ids[n:])
+            banned = tuple(sorted(bans.union(banned))) if bans else banned
         return SamplingRow(
-            params=self.sampling_params,
+            params=params,
             output_index=output_index,
-            prompt_token_ids=self.token_ids[:n] if has_penalties else [],
-            output_token_ids=self.token_ids[n:] if has_penalties else [],
-            banned_token_ids=self.held_back_token_ids if held_back else (),
+            prompt_token_ids=self.token_ids[:n] if params.has_penalties else [],
+            output_token_ids=self.token_ids[n:] if params.has_penalties else [],
+            banned_token_ids=banned,
         )
 
 

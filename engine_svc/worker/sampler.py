@@ -5,8 +5,9 @@ then one uniform draw each picks from the distribution (random_sampling.py). A s
 races Exp(1) numbers hashed from (seed, output index, token id) instead (seeded_sampling.py),
 so its tokens do not depend on what else is in the batch, on preemption, or on pipelining,
 even where the logits move in their last bits with the batch.
-Until a request has min_tokens output tokens, the tokens that would end it are masked out;
-then its logit_bias is added, then its penalties apply. Logprobs are those of the raw model
+Only a request's allowed_token_ids are kept, then the tokens its bad words ban and, until it
+has min_tokens output tokens, those that would end it are masked out; then its logit_bias is
+added, then its penalties apply (vLLM's order). Logprobs are those of the raw model
 output (before masks, biases, penalties and temperature), as vLLM's default.
 """
 
@@ -31,7 +32,7 @@ class SamplingRow:
     output_index: int  # how many tokens the request produced before this one
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    banned_token_ids: tuple[int, ...] = ()  # masked out this step (min_tokens)
+    banned_token_ids: tuple[int, ...] = ()  # masked out this step (bad words, min_tokens)
 
 
 class Sampler:
@@ -53,10 +54,12 @@ class Sampler:
             # value, so no index, and costs a copy of [rows, vocab] floats every step.
             return self._argmax(logits).tolist(), [None] * len(rows)
         raw = logits  # the model's output, whose log-probabilities a request may want
-        if any(r.banned_token_ids or r.params.logit_bias or r.params.has_penalties for r in rows):
+        if any(_changes_logits(r) for r in rows):
             # One float32 copy, which the masks, biases and penalties change in place (else
             # the temperature's division makes the float32 copy).
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            if any(r.params.allowed_token_ids is not None for r in rows):
+                _keep_allowed_(logits, rows)
             if any(r.banned_token_ids for r in rows):
                 _mask_banned_(logits, rows)
             if any(r.params.logit_bias for r in rows):
@@ -159,18 +162,34 @@ def _filters(row: SamplingRow) -> RowFilters:
 
 def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy, with nothing to change in the logits first."""
+    return row.params.is_greedy and not _changes_logits(row)
+
+
+def _changes_logits(row: SamplingRow) -> bool:
     params = row.params
-    return (
-        params.is_greedy
-        and not row.banned_token_ids
-        and not params.logit_bias
-        and not params.has_penalties
+    return bool(
+        params.allowed_token_ids is not None
+        or row.banned_token_ids
+        or params.logit_bias
+        or params.has_penalties
     )
+
+
+def _keep_allowed_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Logits of -inf for every token outside each row's allowed_token_ids, in place."""
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is not None:
+            token_ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+            kept = logits[i].index_select(0, token_ids)
+            logits[i].fill_(float("-inf"))
+            logits[i].index_copy_(0, token_ids, kept)
 
 
 def _mask_banned_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Logits of -inf for each row's banned tokens, in place (before penalties and
-    temperature, as vLLM's min_tokens processor), so no sampling method can pick them."""
+    temperature, as vLLM's bad words and min_tokens processor), so no sampling method can
+    pick them."""
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")

@@ -170,6 +170,19 @@ def _rpc_error(call: Any) -> grpc.RpcError:
         ({"min_tokens": 4_000_000_000, "max_tokens": None}, "sampling_params.min_tokens"),
         # Parses, but no token can continue it: ended naming the field, not as a fault.
         ({"regex": r"[^\s\S]"}, "sampling_params.regex"),
+        ({"allowed_token_ids": [5, 49152]}, "sampling_params.allowed_token_ids"),
+        ({"allowed_token_ids": [5] * 300_000}, "sampling_params.allowed_token_ids"),
+        ({"bad_words_token_ids": [pb.TokenIds()]}, "sampling_params.bad_words_token_ids"),
+        # Two tokens allowed and every pair of them banned: after the first, none can follow.
+        (
+            {
+                "allowed_token_ids": [5, 6],
+                "bad_words_token_ids": [
+                    pb.TokenIds(token_ids=[a, b]) for a in (5, 6) for b in (5, 6)
+                ],
+            },
+            "sampling_params.bad_words_token_ids",
+        ),
         ({"request_id": "x" * 5000}, "request_id"),
     ],
 )

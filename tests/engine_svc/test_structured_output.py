@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -282,5 +283,27 @@ def test_a_constraint_that_only_min_tokens_blocks_ends_its_request_naming_the_fi
     (output,) = llm.generate(["Answer:"], params)
 
     assert output.finish_reason == "error" and output.text in ("yes", "no")
-    assert output.error is not None and "no token that min_tokens does not hold" in output.error
+    assert (
+        output.error is not None and "no token that min_tokens, allowed_token_ids" in output.error
+    )
+    assert_kv_cache_clean(llm)
+
+
+def test_a_constraint_keeps_to_allowed_token_ids_and_ends_where_they_share_no_token(
+    tiny_model_dir: Path,
+) -> None:
+    """The grammar's mask and allowed_token_ids both apply: with the tokens of "no" allowed
+    and EOS (which completes the choice), the choice is "no"; with none of either answer's
+    tokens, none can start it."""
+    llm = LLM(str(tiny_model_dir), max_model_len=256)
+    eos = llm.tokenizer.eos_token_id
+    choice: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "choice": ["yes", "no"]}
+    answer_no = SamplingParams(**choice, allowed_token_ids=[*llm.tokenizer.encode("no"), eos])
+    neither = SamplingParams(**choice, allowed_token_ids=[*llm.tokenizer.encode("maybe"), eos])
+
+    no, stuck = llm.generate(["Answer:", "Answer:"], [answer_no, neither])
+
+    assert (no.text, no.finish_reason) == ("no", "stop")
+    assert stuck.finish_reason == "error" and stuck.token_ids == []
+    assert stuck.error is not None and "allowed_token_ids" in stuck.error
     assert_kv_cache_clean(llm)

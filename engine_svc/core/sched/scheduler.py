@@ -225,6 +225,10 @@ class Scheduler:
             if request.structured is not None and not finished and request.structured.is_terminated:
                 request.finish(FinishReason.STOP)
                 finished = True
+            invalid_field = None
+            if not finished and request.sampling_params.restricts_tokens:
+                invalid_field = self._end_if_no_token_left(request)
+                finished = invalid_field is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -240,6 +244,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     error=request.error,
                     times=_times_with_first_token(request),
+                    invalid_field=invalid_field,
                 )
             )
             if finished:
@@ -282,6 +287,22 @@ class Scheduler:
             times=_times_with_first_token(request),
             invalid_field=_constraint_field(request),
         )
+
+    def _end_if_no_token_left(self, request: Request) -> str | None:
+        """End a request whose allowed_token_ids, bad words and min_tokens leave it no next
+        token (admission checked the first; a bad word's prefix can close the rest later): its
+        own input's fault, so the output names the field. Returns that field, or None."""
+        refusal = request.sampling_params.refusal_of_every_token(
+            request.output_token_ids, request.eos_token_ids, self.config.vocab_size
+        )
+        if refusal is None:
+            return None
+        field, why = refusal
+        request.error = (
+            f"no token can follow the {request.num_output_tokens} generated so far: {why}"
+        )
+        request.finish(FinishReason.ERROR)
+        return field
 
     def _fail(self, request: Request, error: str, invalid_field: str | None = None) -> None:
         """End a waiting request that can never run; its output goes with the next results.
