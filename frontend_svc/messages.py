@@ -42,6 +42,8 @@ class SamplingOptions:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the request's, asked of choice 0's engine call only
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    allowed_token_ids: tuple[int, ...] = ()  # empty: any token
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the frontend's tokens of bad_words
     # Structured output (at most one), enforced by the engine.
     json_schema: str | None = None
     json_object: bool = False
@@ -55,6 +57,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
+    bad_words: tuple[str, ...] = ()  # sent as bad_words_token_ids
 
     def for_choice(self, index: int) -> SamplingOptions:
         """Choice i samples with seed + i, so n seeded choices differ yet are reproducible.

@@ -7,6 +7,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
+from frontend_svc.bad_words import bad_words_token_ids
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.router import EngineRouter
 from frontend_svc.generation import Generation, collect
@@ -76,10 +77,14 @@ class Frontend:
         if keep is not None:
             prompt_token_ids = prompt_token_ids[-keep:]
         validate_prompt(field, prompt_token_ids, self.model_info())
+        sampling = request.sampling
+        if sampling.bad_words:
+            words = bad_words_token_ids(self._tokenizer(), sampling.bad_words)
+            sampling = dataclasses.replace(sampling, bad_words_token_ids=words)
         return EngineRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(prompt_token_ids),
-            sampling=request.sampling,
+            sampling=sampling,
             priority=request.priority,
         )
 

@@ -12,8 +12,8 @@ from shared.errors import InvalidRequestError
 # Room is left under the engine's 256-character request ids for the per-choice suffix.
 MAX_REQUEST_ID_CHARS = 200
 MAX_N = 128
-MAX_STOP_STRINGS = 32
-MAX_STOP_STRING_CHARS = 512
+MAX_STRINGS = 32  # stop strings, and bad words
+MAX_STRING_CHARS = 512
 MAX_MESSAGES = 4096
 MAX_SEED = 2**63  # the engine's bound; choice i uses seed + i
 
@@ -53,17 +53,22 @@ def validate_sampling(sampling: SamplingOptions) -> None:
         raise InvalidRequestError("sampling_params.seed", "seed + n must be at most 2^63")
     if sampling.truncate_prompt_tokens is not None and sampling.truncate_prompt_tokens < 1:
         raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "must be at least 1")
-    if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
-            "sampling_params.stop", f"{len(sampling.stop)} stop strings is over {MAX_STOP_STRINGS}"
-        )
-    for stop in sampling.stop:
-        if not stop:
-            raise InvalidRequestError("sampling_params.stop", "stop strings must not be empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
+    _check_strings("sampling_params.stop", "stop strings", sampling.stop)
+    # A word of spaces alone has no tokens to ban.
+    _check_strings(
+        "sampling_params.bad_words", "bad words", [w.strip() for w in sampling.bad_words]
+    )
+
+
+def _check_strings(field: str, what: str, strings: Sequence[str]) -> None:
+    if len(strings) > MAX_STRINGS:
+        raise InvalidRequestError(field, f"{len(strings)} {what} is over {MAX_STRINGS}")
+    for string in strings:
+        if not string:
+            raise InvalidRequestError(field, f"{what} must not be empty")
+        if len(string) > MAX_STRING_CHARS:
             raise InvalidRequestError(
-                "sampling_params.stop",
-                f"a stop string of {len(stop)} characters is over {MAX_STOP_STRING_CHARS}",
+                field, f"one of {len(string)} characters is over {MAX_STRING_CHARS}"
             )
 
 

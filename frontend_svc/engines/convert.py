@@ -26,7 +26,10 @@ def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
 
 def to_sampling_params(sampling: SamplingOptions) -> pb.SamplingParams:
     params = pb.SamplingParams(
-        stop_token_ids=sampling.stop_token_ids, logit_bias=dict(sampling.logit_bias)
+        stop_token_ids=sampling.stop_token_ids,
+        logit_bias=dict(sampling.logit_bias),
+        allowed_token_ids=sampling.allowed_token_ids,
+        bad_words_token_ids=[pb.TokenIds(token_ids=w) for w in sampling.bad_words_token_ids],
     )
     for name in PLAIN_SAMPLING_FIELDS:
         setattr(params, name, getattr(sampling, name))

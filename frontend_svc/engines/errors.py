@@ -23,6 +23,9 @@ _ENGINE_TROUBLE = {
     grpc.StatusCode.ABORTED,
 }
 
+# engine.v1 fields the frontend fills from one of the client's that has another name.
+_CLIENT_FIELDS = {"sampling_params.bad_words_token_ids": "sampling_params.bad_words"}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineCallError:
@@ -42,6 +45,7 @@ def classify_status(
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         # The engine names the field as "field: message", the way our own errors do.
         field, _, message = details.partition(": ")
+        field = _CLIENT_FIELDS.get(field, field)
         return EngineCallError(InvalidRequestError(field, message or details), False)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return EngineCallError(TimeoutError("the deadline passed"), False)

@@ -54,6 +54,8 @@ def to_sampling_options(params: pb.SamplingParams) -> SamplingOptions:
         **options,  # type: ignore[arg-type]
         stop_token_ids=tuple(params.stop_token_ids),
         logit_bias=tuple(params.logit_bias.items()),
+        allowed_token_ids=tuple(params.allowed_token_ids),
+        bad_words=tuple(params.bad_words),
         n=params.n if params.HasField("n") else 1,
         stop=tuple(params.stop),
         skip_special_tokens=(

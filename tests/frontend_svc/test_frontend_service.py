@@ -16,6 +16,8 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from frontend_svc.bad_words import bad_words_token_ids
+from frontend_svc.tokenizer import Tokenizer
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
 from tests.engine_svc.test_structured_output import ENDLESS_SCHEMA, GRAMMAR, GRAMMAR_LANGUAGE
@@ -273,6 +275,46 @@ def test_logit_bias_reaches_the_engine_for_every_choice(services: Services) -> N
     assert all(lp.rank > 1 for c in response.choices for lp in c.logprobs)
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine_for_every_choice(
+    services: Services, tokenizer: Tokenizer
+) -> None:
+    allowed = [1234, 2345, 3456]
+    sampled = pb.SamplingParams(
+        temperature=1.0, seed=7, n=3, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed
+    )
+    # Ban the first word the model says, by its text: the frontend tokenizes it for the
+    # engine, as it begins a text and after a space.
+    prompt = list(range(200, 240))
+    plain = greedy(6, ignore_eos=True)
+    first = (
+        generate_all(
+            services.frontend.address,
+            [pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=plain)],
+        )[0]
+        .choices[0]
+        .token_ids[0]
+    )
+    word = tokenizer.decode([first], skip_special_tokens=True)
+    banned = greedy(6, ignore_eos=True, n=2, bad_words=[word])
+    restricted, unbanned = generate_all(
+        services.frontend.address,
+        [
+            pb.GenerateRequest(prompt="Allowed", sampling_params=sampled),
+            pb.GenerateRequest(prompt_token_ids=prompt, sampling_params=banned),
+        ],
+    )
+    assert len(restricted.choices) == 3
+    assert all(set(c.token_ids) <= set(allowed) for c in restricted.choices)
+    sequences = bad_words_token_ids(tokenizer, [word])
+    assert (first,) in sequences
+    for choice in unbanned.choices:
+        tokens = list(choice.token_ids)
+        assert len(tokens) == 6 and tokens[0] != first
+        for sequence in sequences:
+            n = len(sequence)
+            assert all(tuple(tokens[i : i + n]) != sequence for i in range(len(tokens) - n + 1))
+
+
 def test_prompt_logprobs_come_once_and_equal_hf(services: Services, hf: tuple[Any, Any]) -> None:
     import torch
 
@@ -375,6 +417,13 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
          "sampling_params.prompt_logprobs"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(truncate_prompt_tokens=0)},
          "sampling_params.truncate_prompt_tokens"),
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(allowed_token_ids=[5, 49152])},
+         "sampling_params.allowed_token_ids"),  # checked by the engine
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(bad_words=["ok", " "])},
+         "sampling_params.bad_words"),
+        # 75 tokens, over the engine's 64 a word: it names its own field, renamed the client's.
+        ({"prompt": "a", "sampling_params": pb.SamplingParams(bad_words=["x" * 300])},
+         "sampling_params.bad_words"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(grammar='start ::= "a"')},
          "sampling_params.grammar"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(structural_tag='{"x": 1}')},
