@@ -59,7 +59,7 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
             "with these and EOS held back until min_tokens, no token is left to sample",
         )
     # The first token: later ones are checked as the output grows (the scheduler).
-    refusal = params.refusal_of_every_token([], limits.eos_token_ids, limits.vocab_size)
+    refusal = params.refusal_of_every_token(0, [], limits.eos_token_ids, limits.vocab_size)
     if refusal is not None:
         raise InvalidRequestError(*refusal)
     if num_prompt >= limits.max_model_len:

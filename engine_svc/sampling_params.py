@@ -59,6 +59,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # or xgrammar's {"type": "structural_tag", "format": {...}}.
     structural_tag: str | None = None
 
+    def __post_init__(self) -> None:
+        # Each allowed id once: the checks that some token is left count them. Words as lists,
+        # which bad_word_bans compares with the output's.
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(word) for word in self.bad_words_token_ids]
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -93,10 +101,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether allowed_token_ids or bad words mask the logits."""
         return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
+    @property
+    def bad_word_span(self) -> int:
+        """How many of the last output tokens bad_word_bans looks at."""
+        return max((len(word) - 1 for word in self.bad_words_token_ids or ()), default=0)
+
     def bad_word_bans(self, output_token_ids: Sequence[int]) -> set[int]:
-        """The tokens the bad words mask out after these output tokens: each word's last token
-        where the output ends with the rest of the word (the output alone, not the prompt, as
-        vLLM; a one-token word always)."""
+        """The tokens the bad words mask out after these output tokens (the whole output, or
+        at least its last bad_word_span): each word's last token where the output ends with
+        the rest of the word (the output alone, not the prompt, as vLLM; a one-token word
+        always)."""
         bans: set[int] = set()
         num_output = len(output_token_ids)
         for word in self.bad_words_token_ids or ():
@@ -108,16 +122,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return bans
 
     def refusal_of_every_token(
-        self, output_token_ids: Sequence[int], eos_token_ids: Iterable[int], vocab_size: int
+        self,
+        num_output_tokens: int,
+        output_tail: Sequence[int],
+        eos_token_ids: Iterable[int],
+        vocab_size: int,
     ) -> tuple[str, str] | None:
         """(field, why) when allowed_token_ids, the bad words and min_tokens together leave no
-        token to sample after these output tokens; None while one is left. A grammar's own
-        mask is not counted here (engine_svc/structured/manager.py counts it)."""
-        bans = self.bad_word_bans(output_token_ids)
+        token to sample after an output of `num_output_tokens` that ends with `output_tail`
+        (at least its last bad_word_span); None while one is left. A grammar's own mask is
+        not counted here (engine_svc/structured/manager.py counts it)."""
+        bans = self.bad_word_bans(output_tail)
         held = (
-            self.ending_token_ids(eos_token_ids)
-            if len(output_token_ids) < self.min_tokens
-            else set()
+            self.ending_token_ids(eos_token_ids) if num_output_tokens < self.min_tokens else set()
         )
         allowed = self.allowed_token_ids
         if allowed is None and vocab_size <= 0:

@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from frontend_svc.tokenizer import Tokenizer
+from shared.errors import InvalidRequestError
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     sequences: list[tuple[int, ...]] = []
     for word in words:
         bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:  # characters the tokenizer's normalizer drops
+            raise InvalidRequestError("sampling_params.bad_words", f"{word!r} has no tokens")
         sequences.append(bare)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         if len(spaced) == len(bare) and spaced[0] != bare[0]:

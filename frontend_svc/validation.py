@@ -54,10 +54,9 @@ def validate_sampling(sampling: SamplingOptions) -> None:
     if sampling.truncate_prompt_tokens is not None and sampling.truncate_prompt_tokens < 1:
         raise InvalidRequestError("sampling_params.truncate_prompt_tokens", "must be at least 1")
     _check_strings("sampling_params.stop", "stop strings", sampling.stop)
-    # A word of spaces alone has no tokens to ban.
-    _check_strings(
-        "sampling_params.bad_words", "bad words", [w.strip() for w in sampling.bad_words]
-    )
+    _check_strings("sampling_params.bad_words", "bad words", sampling.bad_words)
+    if not all(word.strip() for word in sampling.bad_words):
+        raise InvalidRequestError("sampling_params.bad_words", "a word of spaces bans nothing")
 
 
 def _check_strings(field: str, what: str, strings: Sequence[str]) -> None:

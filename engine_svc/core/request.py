@@ -99,6 +99,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
+    def output_tail(self, count: int) -> list[int]:
+        """The last `count` output tokens (all of them, where there are fewer)."""
+        start = max(self.num_prompt_tokens, len(self.all_token_ids) - count)
+        return self.all_token_ids[start:]
+
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

@@ -90,7 +90,7 @@ def _only_masked_tokens_allowed(words: Any, request: Request) -> bool:
             if token_id >> 5 < len(kept):
                 kept[token_id >> 5] |= 1 << (token_id & 31)
         allowed = [word & keep for word, keep in zip(allowed, kept, strict=True)]
-    masked = params.bad_word_bans(request.output_token_ids)
+    masked = params.bad_word_bans(request.output_tail(params.bad_word_span))
     if holding:
         masked |= params.ending_token_ids(request.eos_token_ids)
     for token_id in masked:

@@ -26,6 +26,8 @@ class RunnerRequestState:
     # The tokens that would end the request (its stop token ids, and EOS unless it ignores
     # EOS): never sampled before it has min_tokens output tokens.
     held_back_token_ids: tuple[int, ...] = ()
+    # allowed_token_ids as an index into a row of the logits, made once.
+    allowed_index: torch.Tensor | None = None
 
     @classmethod
     def new(
@@ -39,7 +41,11 @@ class RunnerRequestState:
         held_back: tuple[int, ...] = ()
         if sampling_params.min_tokens:
             held_back = tuple(sorted(sampling_params.ending_token_ids(eos_token_ids)))
-        return cls(sampling_params, num_prompt_tokens, token_ids, block_ids, held_back)
+        allowed = sampling_params.allowed_token_ids
+        allowed_index = None if allowed is None else torch.tensor(allowed, dtype=torch.long)
+        return cls(
+            sampling_params, num_prompt_tokens, token_ids, block_ids, held_back, allowed_index
+        )
 
     def sampling_row(self) -> SamplingRow:
         n = self.num_prompt_tokens
@@ -48,7 +54,8 @@ class RunnerRequestState:
         held_back = params.min_tokens > output_index
         banned = self.held_back_token_ids if held_back else ()
         if params.bad_words_token_ids:
-            bans = params.bad_word_bans(self.token_ids[n:])
+            tail = self.token_ids[max(n, len(self.token_ids) - params.bad_word_span) :]
+            bans = params.bad_word_bans(tail)
             banned = tuple(sorted(bans.union(banned))) if bans else banned
         return SamplingRow(
             params=params,
@@ -56,6 +63,7 @@ class RunnerRequestState:
             prompt_token_ids=self.token_ids[:n] if params.has_penalties else [],
             output_token_ids=self.token_ids[n:] if params.has_penalties else [],
             banned_token_ids=banned,
+            allowed_index=self.allowed_index,
         )
 
 

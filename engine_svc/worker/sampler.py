@@ -33,6 +33,13 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: tuple[int, ...] = ()  # masked out this step (bad words, min_tokens)
+    # params.allowed_token_ids as a tensor: the runner's, made once a request; else made here.
+    allowed_index: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        allowed = self.params.allowed_token_ids
+        if self.allowed_index is None and allowed is not None:
+            self.allowed_index = torch.tensor(allowed, dtype=torch.long)
 
 
 class Sampler:
@@ -58,7 +65,7 @@ class Sampler:
             # One float32 copy, which the masks, biases and penalties change in place (else
             # the temperature's division makes the float32 copy).
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            if any(r.params.allowed_token_ids is not None for r in rows):
+            if any(r.allowed_index is not None for r in rows):
                 _keep_allowed_(logits, rows)
             if any(r.banned_token_ids for r in rows):
                 _mask_banned_(logits, rows)
@@ -168,7 +175,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
 def _changes_logits(row: SamplingRow) -> bool:
     params = row.params
     return bool(
-        params.allowed_token_ids is not None
+        row.allowed_index is not None
         or row.banned_token_ids
         or params.logit_bias
         or params.has_penalties
@@ -178,9 +185,8 @@ def _changes_logits(row: SamplingRow) -> bool:
 def _keep_allowed_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Logits of -inf for every token outside each row's allowed_token_ids, in place."""
     for i, row in enumerate(rows):
-        allowed = row.params.allowed_token_ids
-        if allowed is not None:
-            token_ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+        if row.allowed_index is not None:
+            token_ids = row.allowed_index.to(logits.device, non_blocking=True)
             kept = logits[i].index_select(0, token_ids)
             logits[i].fill_(float("-inf"))
             logits[i].index_copy_(0, token_ids, kept)

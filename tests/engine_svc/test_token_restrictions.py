@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -113,13 +114,25 @@ def test_sampled_tokens_keep_to_allowed_token_ids_and_bad_words(llm: LLM) -> Non
     assert_kv_cache_clean(llm)
 
 
-def test_a_request_left_no_token_ends_naming_the_field(llm: LLM) -> None:
+@pytest.mark.parametrize(
+    ("allowed", "words"),
+    [
+        ([11, 12], [[a, b] for a in (11, 12) for b in (11, 12)]),
+        # Each id counted once (four ids listed, two distinct), the words given as tuples.
+        ([11, 12, 11, 12], [(a, b) for a in (11, 12) for b in (11, 12)]),
+    ],
+)
+def test_a_request_left_no_token_ends_naming_the_field(
+    llm: LLM, allowed: list[int], words: list[Sequence[int]]
+) -> None:
     """Two allowed tokens and every pair of them banned: the first token is fine, then
     nothing may follow. The request ends with an error after its one token, its blocks
     freed; one beside it runs on."""
-    words = [[a, b] for a in (11, 12) for b in (11, 12)]
     stuck = SamplingParams(
-        temperature=0.0, max_tokens=8, allowed_token_ids=[11, 12], bad_words_token_ids=words
+        temperature=0.0,
+        max_tokens=8,
+        allowed_token_ids=allowed,
+        bad_words_token_ids=words,  # type: ignore[arg-type]  # tuples, as a caller may pass
     )
     fine = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out_stuck, out_fine = llm.generate(_prompts(2, seed=4), [stuck, fine])
@@ -141,6 +154,10 @@ def test_a_request_left_no_token_ends_naming_the_field(llm: LLM) -> None:
         # Every allowed token banned by a one-token word.
         (
             SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6]]),
+            "bad_words_token_ids",
+        ),
+        (
+            SamplingParams(allowed_token_ids=[5, 5], bad_words_token_ids=[[5]]),
             "bad_words_token_ids",
         ),
         # Only EOS allowed (the tiny model's is 2), held back by min_tokens.

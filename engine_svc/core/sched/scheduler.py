@@ -292,8 +292,12 @@ class Scheduler:
         """End a request whose allowed_token_ids, bad words and min_tokens leave it no next
         token (admission checked the first; a bad word's prefix can close the rest later): its
         own input's fault, so the output names the field. Returns that field, or None."""
-        refusal = request.sampling_params.refusal_of_every_token(
-            request.output_token_ids, request.eos_token_ids, self.config.vocab_size
+        params = request.sampling_params
+        refusal = params.refusal_of_every_token(
+            request.num_output_tokens,
+            request.output_tail(params.bad_word_span),
+            request.eos_token_ids,
+            self.config.vocab_size,
         )
         if refusal is None:
             return None
