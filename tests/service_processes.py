@@ -50,25 +50,45 @@ def service_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(SERVICE_TMPDIR), **extra}
 
 
+# Under pytest-xdist (make test) each worker hands out ports of its own blocks of PORT_BLOCK
+# only, so that two workers never give the same port to services started at the same time.
+PORT_BLOCK = 8
+
+
+def _port_share() -> tuple[int, int]:
+    """(this worker's index, the number of workers); (0, 1) outside pytest-xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return (int(worker[2:]) if worker.startswith("gw") else 0), max(count, 1)
+
+
+def _is_ours(port: int) -> bool:
+    index, count = _port_share()
+    return (port // PORT_BLOCK) % count == index
+
+
 def free_port() -> int:
     """A 127.0.0.1 port nothing listens on that this process has not handed out before: the
     kernel may give the port a closed probe socket had to the very next probe, and a service
     once got the same port for its gRPC API and its metrics (bind failed: in use)."""
-    for _ in range(1000):
+    for _ in range(10_000):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        if port not in _handed_out:
+        if port not in _handed_out and _is_ours(port):
             _handed_out.add(port)
             return port
     raise AssertionError("no free port left that this process has not handed out")
 
 
 def three_free_ports() -> int:
-    """A free port whose next two are free too (a multi-node engine's node 0 takes them)."""
+    """A free port whose next two are free too (a multi-node engine's node 0 takes them),
+    all three in one of this worker's blocks."""
     for _ in range(100):
         base = free_port()
-        if base + 2 < 65536 and all(_bindable(base + i) for i in (1, 2)):
+        in_block = (base + 2) // PORT_BLOCK == base // PORT_BLOCK
+        if in_block and base + 2 < 65536 and all(_bindable(base + i) for i in (1, 2)):
+            _handed_out.update((base + 1, base + 2))
             return base
     raise AssertionError("no three consecutive free ports")
 
