@@ -23,6 +23,10 @@ def check_request(request: EngineCoreRequest, limits: EngineInfo) -> None:
     params = request.sampling_params
     params.validate()
     check_constraint(params)
+    if params.bad_words:
+        raise InvalidRequestError(
+            "bad_words", "the engine takes token ids (bad_words_token_ids): LLM tokenizes words"
+        )
     prompt = request.prompt_token_ids
     num_prompt = len(prompt)
     if not prompt:

@@ -8,10 +8,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from engine_svc.client.inproc import InprocClient
 from engine_svc.config import EngineConfig
 from engine_svc.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from engine_svc.sampling_params import SamplingParams
+from shared.bad_words import bad_words_token_ids
 from shared.errors import InvalidRequestError
 from shared.model_store import ensure_default_model, resolve_model
 
@@ -82,6 +85,8 @@ class LLM:
         return [results[rid] for rid in order]
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        if params.bad_words:
+            params = self._tokenize_bad_words(params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
@@ -97,6 +102,17 @@ class LLM:
             )
         )
         return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids)
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` (text) as the engine takes them, beside any given as token ids."""
+        words = bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            params.bad_words or (),
+        )
+        given = params.bad_words_token_ids or []
+        return msgspec.structs.replace(
+            params, bad_words=None, bad_words_token_ids=[*given, *map(list, words)]
+        )
 
     def shutdown(self) -> None:
         self.client.shutdown()

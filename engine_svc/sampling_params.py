@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Token sequences never generated whole (vLLM's bad_words, tokenized): a word's last token
     # is masked out wherever the output so far ends with the rest of it.
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's bad_words as text: the offline LLM tokenizes them into bad_words_token_ids (the
+    # engine itself takes token ids; engine.v1 has no such field, the frontend has its own).
+    bad_words: list[str] | None = None
     # Structured output: at most one of these constrains what may be generated.
     json_schema: str | None = None  # a JSON Schema, as text
     json_object: bool = False  # any JSON object

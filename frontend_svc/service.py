@@ -7,7 +7,6 @@ import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
-from frontend_svc.bad_words import bad_words_token_ids
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.engines.router import EngineRouter
 from frontend_svc.generation import Generation, collect
@@ -21,6 +20,7 @@ from frontend_svc.messages import (
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.validation import validate_prompt, validate_request, validate_tokenize_input
+from shared.bad_words import bad_words_token_ids
 from shared.errors import EngineUnavailableError
 
 
@@ -79,7 +79,12 @@ class Frontend:
         validate_prompt(field, prompt_token_ids, self.model_info())
         sampling = request.sampling
         if sampling.bad_words:
-            words = bad_words_token_ids(self._tokenizer(), sampling.bad_words)
+            tokenizer = self._tokenizer()
+            words = bad_words_token_ids(
+                lambda text: tokenizer.encode(text, add_special_tokens=False),
+                sampling.bad_words,
+                "sampling_params.bad_words",
+            )
             sampling = dataclasses.replace(sampling, bad_words_token_ids=words)
         return EngineRequest(
             request_id=request.request_id or uuid.uuid4().hex,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine_svc import LLM, SamplingParams
+from engine_svc.messages import EngineCoreRequest
 from engine_svc.worker.sampler import Sampler, SamplingRow
 from shared.errors import InvalidRequestError
 from tests.engine_svc.engine_helpers import assert_kv_cache_clean
@@ -90,6 +91,31 @@ def test_greedy_with_bad_words_equals_hf_no_bad_words(llm: LLM, hf: torch.nn.Mod
         assert first not in got
         assert all(got[i : i + 2] != pair for i in range(len(got) - 1))
     assert_kv_cache_clean(llm)
+
+
+def test_bad_words_as_text_are_tokenized_by_the_offline_api(llm: LLM) -> None:
+    """vLLM's offline `bad_words`: LLM tokenizes each word (as it begins a text and after a
+    space) and adds them to any given as token ids; the engine itself takes token ids only.
+    A bias of +100 makes "hello" and " hello" every greedy token; banned, neither comes."""
+    (hello,), (spaced_hello,) = (
+        llm.tokenizer.encode(text, add_special_tokens=False) for text in ("hello", " hello")
+    )
+    forced = {"temperature": 0.0, "max_tokens": 6, "logit_bias": {hello: 100.0, spaced_hello: 99.0}}
+    by_text = SamplingParams(**forced, bad_words_token_ids=[[7]], bad_words=["hello"])  # type: ignore[arg-type]
+    by_ids = SamplingParams(**forced, bad_words_token_ids=[[7], [hello], [spaced_hello]])  # type: ignore[arg-type]
+    prompt = _prompts(1, seed=13)[0]
+    plain, got_text, got_ids = llm.generate(
+        [prompt] * 3, [SamplingParams(**forced), by_text, by_ids]
+    )  # type: ignore[arg-type]
+    assert len(plain.token_ids) == 6 and set(plain.token_ids) <= {hello, spaced_hello}
+    assert got_text.token_ids == got_ids.token_ids and len(got_text.token_ids) == 6
+    assert not {hello, spaced_hello, 7} & set(got_text.token_ids)
+    with pytest.raises(InvalidRequestError) as raised:
+        request = EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(bad_words=["x"])
+        )
+        llm.client.add_request(request)  # the engine's own client, past LLM's tokenizer
+    assert raised.value.field == "bad_words"
 
 
 def test_sampled_tokens_keep_to_allowed_token_ids_and_bad_words(llm: LLM) -> None:

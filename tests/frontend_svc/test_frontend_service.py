@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from frontend_svc.bad_words import bad_words_token_ids
 from frontend_svc.tokenizer import Tokenizer
+from shared.bad_words import bad_words_token_ids
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.engine_svc.hf_reference import hf_greedy, load_hf_model
 from tests.engine_svc.test_structured_output import ENDLESS_SCHEMA, GRAMMAR, GRAMMAR_LANGUAGE
@@ -305,7 +305,9 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine_for_every_choice(
     )
     assert len(restricted.choices) == 3
     assert all(set(c.token_ids) <= set(allowed) for c in restricted.choices)
-    sequences = bad_words_token_ids(tokenizer, [word])
+    sequences = bad_words_token_ids(
+        lambda text: tokenizer.encode(text, add_special_tokens=False), [word]
+    )
     assert (first,) in sequences
     for choice in unbanned.choices:
         tokens = list(choice.token_ids)
