@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int)
     add("--n", type=int, default=1, help="completions (default: %(default)s)")
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add(
+        "--bad-word",
+        action="append",
+        default=[],
+        dest="bad_words",
+        help="a word never to generate (repeatable)",
+    )
     add("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
     add(
         "--auth-token-file",
@@ -48,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
-    params = pb.SamplingParams(max_tokens=args.max_tokens, n=args.n, stop=args.stop)
+    params = pb.SamplingParams(
+        max_tokens=args.max_tokens, n=args.n, stop=args.stop, bad_words=args.bad_words
+    )
     for name in ("temperature", "top_p", "seed"):
         if getattr(args, name) is not None:
             setattr(params, name, getattr(args, name))

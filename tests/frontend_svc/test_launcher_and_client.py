@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from frontend_svc.client import build_parser, sampling_params
 from shared.protos import engine_pb2, engine_pb2_grpc
 from tests.process_tree import child_pids, descendants, is_alive
 from tests.service_processes import REPO_ROOT, free_port, service_env
@@ -115,6 +116,17 @@ def test_the_launcher_serves_the_client_and_stops_both_on_ctrl_c(tiny_model_dir:
         assert not is_listening(port) and not is_listening(engine_port)
     finally:
         stop_all(launcher, children, groups=True)  # the services run in sessions of their own
+
+
+def test_the_clients_flags_fill_the_sampling_params() -> None:
+    args = build_parser().parse_args(
+        ["Hi", "--max-tokens", "5", "--temperature", "0", "--stop", ".", "--stop", "!",
+         "--bad-word", "hello", "--bad-word", "world", "--n", "2"]
+    )  # fmt: skip
+    params = sampling_params(args)
+    assert (params.max_tokens, params.temperature, params.n) == (5, 0.0, 2)
+    assert list(params.stop) == [".", "!"] and list(params.bad_words) == ["hello", "world"]
+    assert not params.HasField("seed") and not params.HasField("top_p")
 
 
 def test_services_stop_when_the_launcher_is_killed(tiny_model_dir: Path) -> None:
