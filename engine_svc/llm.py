@@ -105,6 +105,8 @@ class LLM:
 
     def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`bad_words` (text) as the engine takes them, beside any given as token ids."""
+        if isinstance(params.bad_words, str):  # each of its characters would be a word
+            raise InvalidRequestError("bad_words", "must be a list of words, not one string")
         words = bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             params.bad_words or (),

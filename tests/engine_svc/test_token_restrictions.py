@@ -116,6 +116,8 @@ def test_bad_words_as_text_are_tokenized_by_the_offline_api(llm: LLM) -> None:
         )
         llm.client.add_request(request)  # the engine's own client, past LLM's tokenizer
     assert raised.value.field == "bad_words"
+    with pytest.raises(InvalidRequestError, match="not one string"):
+        llm.generate([[1, 2]], SamplingParams(bad_words="hello"))  # type: ignore[arg-type]
 
 
 def test_sampled_tokens_keep_to_allowed_token_ids_and_bad_words(llm: LLM) -> None:
