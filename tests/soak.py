@@ -3,12 +3,13 @@
 SOAK_MINUTES (default 10) of SOAK_CONCURRENCY (default 16) clients, each sending one request
 after another through the frontend: mixed prompt and output lengths, streams cancelled at a
 random point, stop strings, structured output (a JSON schema, a choice, a regex), n = 2, chat
-messages. It prints requests done, unexpected errors, the resident memory of each service
-(its processes together) at the start, every minute, after the warm-up (the first third of
-the run: the allocators reach their working size over the first thousand or so requests)
-and at the end, and the engine's KV blocks still in use once idle. It fails (exit 1) on any
-unexpected error, a leaked block, or memory growing more than 5% after warm-up. SOAK_MODEL:
-another model directory (default: the default model). Not part of `make test`: it runs for minutes.
+messages, bad words, allowed token ids. It prints requests done, unexpected errors, the
+resident memory of each service (its processes together) at the start, every minute, after
+the warm-up (the first third of the run: the allocators reach their working size over the
+first thousand or so requests) and at the end, and the engine's KV blocks still in use once
+idle. It fails (exit 1) on any unexpected error, a leaked block, or memory growing more than
+5% after warm-up. SOAK_MODEL: another model directory (default: the default model). Not part
+of `make test`: it runs for minutes.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class Tally:
 
 
 def _request(rng: random.Random, index: int) -> tuple[str, fpb.GenerateRequest]:
-    kind = rng.choice(["plain", "plain", "stop", "json", "choice", "regex", "n2", "chat"])
+    kind = rng.choice(
+        ["plain", "plain", "stop", "json", "choice", "regex", "n2", "chat", "bad_words", "allowed"]
+    )
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 200)))
     params = fpb.SamplingParams(max_tokens=rng.randint(4, 96), temperature=rng.choice([0.0, 0.8]))
     params.seed = index
@@ -78,6 +81,10 @@ def _request(rng: random.Random, index: int) -> tuple[str, fpb.GenerateRequest]:
         params.regex = "[0-9]{1,4}-[a-z]{2,6}"
     elif kind == "n2":
         params.n = 2
+    elif kind == "bad_words":
+        params.bad_words.extend(rng.sample(WORDS, 3))
+    elif kind == "allowed":
+        params.allowed_token_ids.extend(rng.sample(range(1000), 100))  # in any vocabulary
     elif kind == "chat":
         request.ClearField("prompt")
         request.messages.add(role="user", content=f"Tell me about {words[:200]}.")
