@@ -17,6 +17,12 @@ import msgspec
 from engine_svc.config import SchedulerConfig
 from engine_svc.core.kv_cache.manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
+from engine_svc.core.sched.dead_ends import (
+    DeadEnd,
+    constraint_field,
+    grammar_dead_end,
+    restriction_dead_end,
+)
 from engine_svc.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine_svc.core.sched.request_queue import make_request_queue
 from engine_svc.messages import EngineCoreOutput, FinishReason, RequestTimes, SchedulerStats
@@ -137,7 +143,7 @@ class Scheduler:
                     # The constraint's own fault (parsed, but would not compile against the
                     # vocabulary): no other engine would do better.
                     self.waiting.pop()
-                    self._fail(request, request.structured.error, _constraint_field(request))
+                    self._fail(request, request.structured.error, constraint_field(request))
                     continue
             # A prompt whose logprobs are asked for runs whole: they come from its logits.
             skip_cache = request.needs_prompt_logprobs
@@ -217,18 +223,24 @@ class Scheduler:
             token_id = runner_output.sampled_token_ids.get(entry.request_id)
             if token_id is None:
                 continue  # a prefill chunk short of the end of the request's tokens
-            if request.structured is not None and not self._grammar_takes(request, token_id):
-                outputs.append(self._end_dead_end(request))
-                continue
+            if request.structured is not None:
+                dead_end = grammar_dead_end(request, token_id)
+                if dead_end is not None:
+                    # The token drawn, which the constraint forbids, is not the request's.
+                    outputs.append(self._end_dead_end(request, dead_end))
+                    continue
             request.append_output_token(token_id)
             finished = request.check_stop(max_model_len)
             if request.structured is not None and not finished and request.structured.is_terminated:
                 request.finish(FinishReason.STOP)
                 finished = True
-            invalid_field = None
+            dead_end = None
             if not finished and request.sampling_params.restricts_tokens:
-                invalid_field = self._end_if_no_token_left(request)
-                finished = invalid_field is not None
+                dead_end = restriction_dead_end(request, self.config.vocab_size)
+                if dead_end is not None:  # the token drawn stays the request's
+                    request.error = dead_end.error
+                    request.finish(FinishReason.ERROR)
+                    finished = True
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -244,7 +256,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     error=request.error,
                     times=_times_with_first_token(request),
-                    invalid_field=invalid_field,
+                    invalid_field=None if dead_end is None else dead_end.field,
                 )
             )
             if finished:
@@ -258,24 +270,8 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         return outputs
 
-    @staticmethod
-    def _grammar_takes(request: Request, token_id: int) -> bool:
-        """Feed the sampled token to the request's grammar. False when the step left the
-        request no token to draw (the structured-output manager found why while building the
-        step's bitmask), or the draw is one the grammar refuses."""
-        assert request.structured is not None
-        return request.structured.dead_end is None and request.structured.accept(token_id)
-
-    def _end_dead_end(self, request: Request) -> EngineCoreOutput:
-        """End a request whose constraint allows no next token (alone, or with the end
-        tokens min_tokens holds back): its own input's fault, so the output names the
-        constraint's field (INVALID_ARGUMENT), and the token sampled for it, which the
-        constraint forbids, is not its."""
-        assert request.structured is not None
-        why = request.structured.dead_end or "the constraint refused the token drawn"
-        request.error = (
-            f"no token can follow the {request.num_output_tokens} generated so far: {why}"
-        )
+    def _end_dead_end(self, request: Request, dead_end: DeadEnd) -> EngineCoreOutput:
+        request.error = dead_end.error
         request.finish(FinishReason.ERROR)
         self._free_request(request)
         return EngineCoreOutput(
@@ -285,28 +281,8 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=request.error,
             times=_times_with_first_token(request),
-            invalid_field=_constraint_field(request),
+            invalid_field=dead_end.field,
         )
-
-    def _end_if_no_token_left(self, request: Request) -> str | None:
-        """End a request whose allowed_token_ids, bad words and min_tokens leave it no next
-        token (admission checked the first; a bad word's prefix can close the rest later): its
-        own input's fault, so the output names the field. Returns that field, or None."""
-        params = request.sampling_params
-        refusal = params.refusal_of_every_token(
-            request.num_output_tokens,
-            request.output_tail(params.bad_word_span),
-            request.eos_token_ids,
-            self.config.vocab_size,
-        )
-        if refusal is None:
-            return None
-        field, why = refusal
-        request.error = (
-            f"no token can follow the {request.num_output_tokens} generated so far: {why}"
-        )
-        request.finish(FinishReason.ERROR)
-        return field
 
     def _fail(self, request: Request, error: str, invalid_field: str | None = None) -> None:
         """End a waiting request that can never run; its output goes with the next results.
@@ -393,11 +369,6 @@ def _runner_params(request: Request) -> SamplingParams:
 def _num_prompt_tokens_in(request: Request, start: int, count: int) -> int:
     """How many of the tokens [start, start + count) belong to the prompt."""
     return max(0, min(start + count, request.num_prompt_tokens) - start)
-
-
-def _constraint_field(request: Request) -> str:
-    constraint = request.sampling_params.constraint
-    return constraint[0] if constraint is not None else "sampling_params"
 
 
 def _times_with_first_token(request: Request) -> RequestTimes | None:
