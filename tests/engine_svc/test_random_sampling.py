@@ -39,7 +39,9 @@ KERNEL = pytest.param(
     id="kernel",
     marks=pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here"),
 )
-PATHS = pytest.mark.parametrize("kernel", [pytest.param(False, id="torch"), KERNEL])
+# torch's path: the same at every kernel level, so test_kernel_levels.py runs only the kernel's.
+TORCH = pytest.param(False, id="torch", marks=pytest.mark.torch_path)
+PATHS = pytest.mark.parametrize("kernel", [TORCH, KERNEL])
 
 
 def swept_frequencies(

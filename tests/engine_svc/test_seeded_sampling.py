@@ -47,6 +47,7 @@ def test_race_after_its_rounds_sorts_and_stays_exact(
     test_race_winners_follow_the_filtered_distribution(3.0, RowFilters(0.9, 0, 0.95, 0.02), kernel)
 
 
+@pytest.mark.torch_path
 def test_noise_is_a_function_of_the_key_and_the_token_alone() -> None:
     ids = torch.arange(49152)
     keys = key_tensor([race_key(3, 0), race_key(3, 1), race_key(4, 0)])
@@ -58,6 +59,7 @@ def test_noise_is_a_function_of_the_key_and_the_token_alone() -> None:
     assert not torch.equal(exponential_noise(keys[2], ids), whole)
 
 
+@pytest.mark.torch_path
 def test_noise_is_exponential_and_unrelated_between_neighbouring_keys() -> None:
     """Exp(1)'s tail at a few points, within 5 standard errors over 20 keys of the whole
     vocabulary, and no correlation between neighbouring outputs' or seeds' numbers."""
@@ -76,6 +78,7 @@ def test_noise_is_exponential_and_unrelated_between_neighbouring_keys() -> None:
         assert abs(correlation.item()) < 5 / math.sqrt(49152)
 
 
+@pytest.mark.torch_path
 def test_a_nudge_to_the_logits_rarely_moves_the_winner() -> None:
     """A nearly flat row, nudged by 4e-6 as the AVX2 build's logits move between batch sizes:
     the race keeps its winner in all but a few rows in a thousand."""
@@ -110,6 +113,7 @@ def test_the_kernel_race_picks_torch_s_tokens(kernel: bool, dtype: torch.dtype) 
     assert race(logits, filters, keys, kernel).tolist() == race(logits, filters, keys).tolist()
 
 
+@pytest.mark.torch_path
 def test_the_smallest_numbers_have_float32_resolution() -> None:
     """The E that win races are the small ones: over 2,000 keys of a 49,152-token row, the
     smallest E is never shared by two tokens (a 24-bit u tied it in about 0.26% of rows)."""
