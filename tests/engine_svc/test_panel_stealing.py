@@ -1,4 +1,4 @@
-"""The decode projections hand their panels out as a static split would, and a thread that
+"""The projections hand their panels out as a static split would, and a thread that
 finishes its own takes the rest of another's (engine_svc/kernels/csrc/stealing.h). Whichever
 thread computes a panel, and however many threads there are, the output is the one a single
 thread gives, bit for bit: every panel computed once, none left out (the outputs start as
@@ -90,4 +90,27 @@ def test_float32_panels_give_one_thread_s_bits_whoever_takes_a_panel(
     packed = torch.ops.duoserve.pack_linear_weight(weight, packed_block_size(out_features))
     _same_bits_over_thread_counts(
         lambda: torch.ops.duoserve.packed_linear(x, packed, out_features, None)
+    )
+
+
+@pytest.mark.skipif(
+    not packed_linear_available(torch.float32), reason="needs the packed projections"
+)
+# brgemm's path: 300 rows are two row tiles (256 and 44), and more than the register tile
+# takes on any level. bfloat16 weights where they go through it too (torch's bfloat16 matmul
+# scalar): each panel widened by whichever thread takes it. With a bias: C starts as it.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("restore_threads")
+@torch.inference_mode()
+def test_brgemm_row_tiles_give_one_thread_s_bits_whoever_takes_a_panel(
+    dtype: torch.dtype,
+) -> None:
+    if not packed_linear_available(dtype):
+        pytest.skip(f"{dtype} projections are not packed on this machine")
+    out_features = 960
+    x, weight = _operands(300, out_features, 576, dtype)
+    bias = (torch.arange(out_features, dtype=torch.float32) / out_features).to(dtype)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, packed_block_size(out_features))
+    _same_bits_over_thread_counts(
+        lambda: torch.ops.duoserve.packed_linear(x, packed, out_features, bias)
     )
