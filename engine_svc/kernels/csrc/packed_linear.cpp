@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -137,42 +138,32 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
                  int64_t k, int64_t block, const float* bias, O* c, int64_t n) {
   constexpr bool kRounded = std::is_same_v<O, at::BFloat16>;
   const int64_t num_tiles = (m + kRowTile - 1) / kRowTile;
-  const int64_t threads = std::min<int64_t>(num_blocks, at::get_num_threads());
-  std::vector<StealingRanges> shares;
-  shares.reserve(num_tiles);
-  for (int64_t i = 0; i < num_tiles; ++i) shares.emplace_back(num_blocks, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+  parallel_stealing_rounds(num_tiles, num_blocks, [&](RoundsCursor& cursor) {
     std::vector<float> scratch, rounded_tile;
     if (kRounded) rounded_tile.resize(std::min(kRowTile, m) * block);
-    for (int64_t thread = first; thread < last; ++thread) {
-      for (int64_t row_tile = 0; row_tile < num_tiles; ++row_tile) {
-        const int64_t m0 = row_tile * kRowTile;
-        const int64_t rows = std::min(kRowTile, m - m0);
-        StealingCursor cursor(shares[row_tile], thread);
-        for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-          const int64_t n0 = b * block;
-          const int64_t cols = std::min(block, n - n0);
-          float* tile;
-          int64_t ldc;
-          if constexpr (kRounded) {
-            tile = rounded_tile.data();
-            ldc = block;
-          } else {
-            tile = c + m0 * n + n0;
-            ldc = n;
-          }
-          if (bias != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
-            for (int64_t r = 0; r < rows; ++r) std::copy_n(bias + n0, cols, tile + r * ldc);
-          }
-          const float* panel =
-              float_panel(weights + b * panel_size<W>(k, block), k, block, scratch);
-          at::native::cpublas::brgemm(rows, cols, k, lda, block, ldc, bias != nullptr,
-                                      a + m0 * lda, panel, tile, /*is_vnni=*/false);
-          if constexpr (kRounded) {
-            for (int64_t r = 0; r < rows; ++r) {
-              at::vec::convert(tile + r * ldc, c + (m0 + r) * n + n0, cols);
-            }
-          }
+    for (auto [row_tile, b] = cursor.next(); b >= 0; std::tie(row_tile, b) = cursor.next()) {
+      const int64_t m0 = row_tile * kRowTile;
+      const int64_t rows = std::min(kRowTile, m - m0);
+      const int64_t n0 = b * block;
+      const int64_t cols = std::min(block, n - n0);
+      float* tile;
+      int64_t ldc;
+      if constexpr (kRounded) {
+        tile = rounded_tile.data();
+        ldc = block;
+      } else {
+        tile = c + m0 * n + n0;
+        ldc = n;
+      }
+      if (bias != nullptr) {  // C starts as the bias, as addmm's beta = 1 does
+        for (int64_t r = 0; r < rows; ++r) std::copy_n(bias + n0, cols, tile + r * ldc);
+      }
+      const float* panel = float_panel(weights + b * panel_size<W>(k, block), k, block, scratch);
+      at::native::cpublas::brgemm(rows, cols, k, lda, block, ldc, bias != nullptr, a + m0 * lda,
+                                  panel, tile, /*is_vnni=*/false);
+      if constexpr (kRounded) {
+        for (int64_t r = 0; r < rows; ++r) {
+          at::vec::convert(tile + r * ldc, c + (m0 + r) * n + n0, cols);
         }
       }
     }

@@ -16,6 +16,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 namespace duoserve {
 
@@ -115,6 +117,47 @@ void parallel_stealing(int64_t n, const Worker& worker) {
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       StealingCursor cursor(ranges, t);
+      worker(cursor);
+    }
+  });
+}
+
+// One thread's view of several rounds of items, each round split as parallel_stealing
+// splits its items: the thread takes its share of a round (and what it can take from the
+// others') before it moves to the next round, without waiting for the other threads there.
+class RoundsCursor {
+ public:
+  RoundsCursor(std::vector<StealingRanges>& rounds, int64_t thread)
+      : rounds_(rounds), thread_(thread) {}
+
+  // The thread's next (round, item), or (-1, -1) when no round has items left.
+  std::pair<int64_t, int64_t> next() {
+    for (; round_ < static_cast<int64_t>(rounds_.size()); ++round_) {
+      const int64_t item = rounds_[round_].next(thread_);
+      if (item >= 0) return {round_, item};
+    }
+    return {-1, -1};
+  }
+
+ private:
+  std::vector<StealingRanges>& rounds_;
+  int64_t thread_;
+  int64_t round_ = 0;
+};
+
+// worker(cursor) on each of torch's threads, each taking (round, item) pairs, items of [0, n)
+// in each of `rounds` rounds, from its RoundsCursor. Inside another parallel region, one call
+// takes them all.
+template <typename Worker>
+void parallel_stealing_rounds(int64_t rounds, int64_t n, const Worker& worker) {
+  if (n <= 0 || rounds <= 0) return;
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  std::vector<StealingRanges> ranges;
+  ranges.reserve(rounds);
+  for (int64_t round = 0; round < rounds; ++round) ranges.emplace_back(n, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      RoundsCursor cursor(ranges, t);
       worker(cursor);
     }
   });
