@@ -12,7 +12,7 @@
 // oneDNN's brgemm, which does not prefetch, stalled on each panel's first pass there. More
 // rows (prefill), and from two rows on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
 // through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
-// thread sweeps its blocks; one row there, a GEMV of our own (gemv_panel below). Measured
+// thread sweeps its blocks; one row there, a GEMV of our own (panel_gemv.h). Measured
 // with SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory,
 // on the 2-core machines this project runs on:
 // - Intel Xeon, AVX-512: MKL 97-108 ms at 64 rows, brgemm 75-90, the register tile 69-76
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "gemm_tile.h"
+#include "panel_gemv.h"
 #include "stealing.h"
 
 namespace duoserve {
@@ -55,7 +56,7 @@ constexpr int64_t kMaxRegisterTileRows = 128;
 #else
 constexpr int64_t kMaxRegisterTileRows = 0;
 #endif
-// One row on AVX2: a GEMV of our own (gemv_panel), summing in brgemm's order with FMA. The
+// One row on AVX2: a GEMV of our own (panel_gemv.h), summing in brgemm's order with FMA. The
 // plain-C++ level has no FMA instruction to match brgemm's sums with, and keeps brgemm.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr bool kOneRowGemv = true;
@@ -88,13 +89,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t block) {
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
   // [blocks, block, K / 2, 2] -> [blocks, K / 2, block, 2]
   return padded.view({num_blocks, block, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
-// Values a packed panel of `block` columns holds: K rows of float32, K rounded up to whole
-// pairs of bfloat16.
-template <typename W>
-constexpr int64_t panel_size(int64_t k, int64_t block) {
-  return (std::is_same_v<W, at::BFloat16> ? (k + 1) / 2 * 2 : k) * block;
 }
 
 // A float32 [K, block] panel as brgemm reads it: float32 weights as they are; bfloat16 ones
@@ -169,116 +163,6 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
     }
     at::native::cpublas::brgemm_release(/*is_vnni=*/false);
   });
-}
-
-// One row (a lone request's decode step) over packed panels, where the register tile does not
-// take it (every build but AVX-512's): each thread streams its panels from memory once.
-//
-// float32: each column vector's sum runs in k order from zero and the bias is added last, the
-// order brgemm sums a row in, so a row gets the same bits alone as in a batch (tested). At one
-// row brgemm paid its per-call set-up for every panel (a decode step's 121 projections make
-// ~2,400 panel calls a thread): on the AMD EPYC Zen 1 (AVX2), SmolLM2-135M's projections and
-// LM head with weights streaming from memory took 26.0-29.3 ms here against 29.3-32.2 through
-// brgemm (six alternating pairs in one process; one thread 44.5-45.5 against 46.9-47.5).
-// Software prefetches of 256 B to 8 KB ahead, into L1 or L2, were no faster there.
-template <int kVecs>
-void gemv_panel(const float* __restrict a, const float* __restrict panel, int64_t k,
-                const float* __restrict bias, float* __restrict c, int64_t cols) {
-  vreg acc[kVecs];
-  for (int v = 0; v < kVecs; ++v) acc[v] = fvec(0.0f);
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const vreg x = fvec(a[kk]);
-    for (int v = 0; v < kVecs; ++v) {
-      acc[v] = fmadd(x, fvec::loadu(panel + (kk * kVecs + v) * kLanes), acc[v]);
-    }
-  }
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
-    fvec sum = fvec(acc[v]);
-    if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
-    sum.store(c + kLanes * v, lanes);
-  }
-}
-
-// bfloat16, packed in pairs of k: each pair row is widened in registers (load_bf16_pairs:
-// one load for two k's worth of a vector of columns), not into a scratch panel that brgemm
-// then reads again (at one row the widening pass cost as much as the product). A pair's
-// first k and its second go to two accumulator sets, which hides the FMA latency of a single
-// row; the sums run in float32 in k order per set, added at the end. Each line of the panel
-// is requested 4 KB ahead (2, 8 and 16 KB were no faster). Measured on the AMD EPYC Zen 1
-// (AVX2; SmolLM2-135M's projections and LM head, 269 MB of bfloat16 streaming from memory,
-// both threads, one call at a time from Python): 15.1-15.2 ms against 17.4-17.5 with k-major
-// panels (a widening load and a shift per vector of columns, one line in three requested
-// ahead); in a C++ loop of its own 13.7-14.1 ms, where reading the bytes alone took 12.2-13.3.
-constexpr int64_t kGemvPrefetchBytes = 4096;
-
-template <int kVecs>
-void gemv_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
-                const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
-  constexpr int64_t kPairRow = 2 * kVecs * kLanes;  // bfloat16 values in a pair row
-  constexpr int64_t kPairRowBytes = kPairRow * sizeof(at::BFloat16);
-  vreg first[kVecs], second[kVecs];
-  for (int v = 0; v < kVecs; ++v) first[v] = second[v] = fvec(0.0f);
-  const int64_t whole_pairs = k / 2;
-  for (int64_t pair = 0; pair < whole_pairs; ++pair) {
-    const at::BFloat16* row = panel + pair * kPairRow;
-    // Past a thread's last panel this requests lines beyond the weights: harmless for a
-    // prefetch, and computed as an integer, not as a pointer past the end.
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kGemvPrefetchBytes;
-    for (int64_t line = 0; line < kPairRowBytes; line += 64) {
-      __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
-    }
-    const vreg x0 = fvec(a[2 * pair]), x1 = fvec(a[2 * pair + 1]);
-    for (int v = 0; v < kVecs; ++v) {
-      vreg w0, w1;
-      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
-      first[v] = fmadd(x0, w0, first[v]);
-      second[v] = fmadd(x1, w1, second[v]);
-    }
-  }
-  if (k % 2 == 1) {  // the last k alone: its pair's second value is padding
-    const at::BFloat16* row = panel + whole_pairs * kPairRow;
-    const vreg x = fvec(a[k - 1]);
-    for (int v = 0; v < kVecs; ++v) {
-      vreg w0, w1;
-      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
-      first[v] = fmadd(x, w0, first[v]);
-    }
-  }
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
-    fvec sum = fvec(first[v]) + fvec(second[v]);
-    if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
-    // Rounded as torch's float32 -> bfloat16 conversion rounds (to nearest even, NaN kept).
-    __at_align__ float sums[kLanes];
-    sum.store(sums, lanes);
-    for (int64_t i = 0; i < lanes; ++i) c[kLanes * v + i] = static_cast<at::BFloat16>(sums[i]);
-  }
-}
-
-template <int kVecs, typename W>
-void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const float* bias,
-          W* c, int64_t n) {
-  constexpr int64_t block = kVecs * kLanes;
-  parallel_stealing(num_blocks, [&](StealingCursor& cursor) {
-    for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-      gemv_panel<kVecs>(a, weights + b * panel_size<W>(k, block), k,
-                        bias != nullptr ? bias + b * block : nullptr, c + b * block,
-                        std::min(block, n - b * block));
-    }
-  });
-}
-
-// The panel widths gemv is compiled for (vectors per block), or false.
-template <typename W>
-bool gemv_any(int64_t vectors, const float* a, const W* weights, int64_t num_blocks, int64_t k,
-              const float* bias, W* c, int64_t n) {
-  switch (vectors) {
-    case 2: gemv<2>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 3: gemv<3>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 4: gemv<4>(a, weights, num_blocks, k, bias, c, n); return true;
-    default: return false;
-  }
 }
 
 // bfloat16 weights where torch's bfloat16 matmul runs a scalar loop (AVX2, where oneDNN has
