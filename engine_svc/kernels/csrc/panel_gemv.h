@@ -61,81 +61,95 @@ void gemv_panels(const float* __restrict a, const float* const* panels, int64_t 
   }
 }
 
-// Panels a float32 GEMV step takes together: up to 4 (the measured best above), their
-// accumulators leaving registers for the row's value and a panel vector.
+// Panels a GEMV step takes together: up to 4 (the measured best, above and below), fewer
+// where a float32 step's accumulators would not leave registers for the row's value and a
+// panel vector.
 template <int kVecs>
 constexpr int gemv_panels_at_once() {
   return std::clamp((kVectorRegisters - 4) / kVecs, 1, 4);
 }
 
-// bfloat16, packed in pairs of k: each pair row is widened in registers (load_bf16_pairs:
-// one load for two k's worth of a vector of columns), not into a scratch panel that brgemm
-// then reads again (at one row the widening pass cost as much as the product). A pair's
-// first k and its second go to two accumulator sets, which hides the FMA latency of a single
-// row; the sums run in float32 in k order per set, added at the end. Each line of the panel
-// is requested 4 KB ahead (2, 8 and 16 KB were no faster). Measured on the AMD EPYC Zen 1
-// (AVX2; SmolLM2-135M's projections and LM head, 269 MB of bfloat16 streaming from memory,
-// both threads, one call at a time from Python): 15.1-15.2 ms against 17.4-17.5 with k-major
-// panels (a widening load and a shift per vector of columns, one line in three requested
-// ahead); in a C++ loop of its own 13.7-14.1 ms, where reading the bytes alone took 12.2-13.3.
+// bfloat16, packed in pairs of k, kPanels panels at once as float32's: each pair row is
+// widened in registers (load_bf16_pairs: one load for two k's worth of a vector of columns),
+// not into a scratch panel that brgemm then reads again (at one row the widening pass cost as
+// much as the product). A pair's first k and its second go to two accumulator sets, which
+// hides the FMA latency of a single row; the sums run in float32 in k order per set, added at
+// the end. Each line of a panel is requested 4 KB ahead (2, 8 and 16 KB were no faster).
+// Measured on the AMD EPYC Zen 1 (AVX2; SmolLM2-135M's projections and LM head, 269 MB of
+// bfloat16 streaming from memory, both threads, one call at a time from Python), one panel at
+// a time: 15.1-15.2 ms against 17.4-17.5 with k-major panels (a widening load and a shift per
+// vector of columns, one line in three requested ahead). On the Zen 3, the 120 decoder
+// projections (212 MB) in a C++ loop: 8.0-8.8 ms with 4 panels at once, 7.8-8.8 with 3,
+// 8.3-9.5 with 2 and 10.4-11.2 with one (five alternating rounds in one process; 4 spill
+// some of their 24 accumulators on AVX2 and still kept up).
 constexpr int64_t kGemvPrefetchBytes = 4096;
 
-template <int kVecs>
-void gemv_panel(const float* __restrict a, const at::BFloat16* __restrict panel, int64_t k,
-                const float* __restrict bias, at::BFloat16* __restrict c, int64_t cols) {
+template <int kVecs, int kPanels>
+void gemv_panels(const float* __restrict a, const at::BFloat16* const* panels, int64_t k,
+                 const float* const* biases, at::BFloat16* const* outs, const int64_t* cols) {
   constexpr int64_t kPairRow = 2 * kVecs * kLanes;  // bfloat16 values in a pair row
   constexpr int64_t kPairRowBytes = kPairRow * sizeof(at::BFloat16);
-  vreg first[kVecs], second[kVecs];
-  for (int v = 0; v < kVecs; ++v) first[v] = second[v] = fvec(0.0f);
+  vreg first[kPanels][kVecs], second[kPanels][kVecs];
+  for (int p = 0; p < kPanels; ++p) {
+    for (int v = 0; v < kVecs; ++v) first[p][v] = second[p][v] = fvec(0.0f);
+  }
   const int64_t whole_pairs = k / 2;
   for (int64_t pair = 0; pair < whole_pairs; ++pair) {
-    const at::BFloat16* row = panel + pair * kPairRow;
-    // Past a thread's last panel this requests lines beyond the weights: harmless for a
-    // prefetch, and computed as an integer, not as a pointer past the end.
-    const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kGemvPrefetchBytes;
-    for (int64_t line = 0; line < kPairRowBytes; line += 64) {
-      __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
-    }
     const vreg x0 = fvec(a[2 * pair]), x1 = fvec(a[2 * pair + 1]);
-    for (int v = 0; v < kVecs; ++v) {
-      vreg w0, w1;
-      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
-      first[v] = fmadd(x0, w0, first[v]);
-      second[v] = fmadd(x1, w1, second[v]);
+    for (int p = 0; p < kPanels; ++p) {
+      const at::BFloat16* row = panels[p] + pair * kPairRow;
+      // Past a thread's last panel this requests lines beyond the weights: harmless for a
+      // prefetch, and computed as an integer, not as a pointer past the end.
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kGemvPrefetchBytes;
+      for (int64_t line = 0; line < kPairRowBytes; line += 64) {
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
+      }
+      for (int v = 0; v < kVecs; ++v) {
+        vreg w0, w1;
+        load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
+        first[p][v] = fmadd(x0, w0, first[p][v]);
+        second[p][v] = fmadd(x1, w1, second[p][v]);
+      }
     }
   }
   if (k % 2 == 1) {  // the last k alone: its pair's second value is padding
-    const at::BFloat16* row = panel + whole_pairs * kPairRow;
     const vreg x = fvec(a[k - 1]);
-    for (int v = 0; v < kVecs; ++v) {
-      vreg w0, w1;
-      load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
-      first[v] = fmadd(x, w0, first[v]);
+    for (int p = 0; p < kPanels; ++p) {
+      const at::BFloat16* row = panels[p] + whole_pairs * kPairRow;
+      for (int v = 0; v < kVecs; ++v) {
+        vreg w0, w1;
+        load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
+        first[p][v] = fmadd(x, w0, first[p][v]);
+      }
     }
   }
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
-    fvec sum = fvec(first[v]) + fvec(second[v]);
-    if (bias != nullptr) sum = sum + fvec::loadu(bias + kLanes * v, lanes);
-    // Rounded as torch's float32 -> bfloat16 conversion rounds (to nearest even, NaN kept).
-    __at_align__ float sums[kLanes];
-    sum.store(sums, lanes);
-    for (int64_t i = 0; i < lanes; ++i) c[kLanes * v + i] = static_cast<at::BFloat16>(sums[i]);
+  for (int p = 0; p < kPanels; ++p) {
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t lanes = std::clamp<int64_t>(cols[p] - kLanes * v, 0, kLanes);
+      fvec sum = fvec(first[p][v]) + fvec(second[p][v]);
+      if (biases[p] != nullptr) sum = sum + fvec::loadu(biases[p] + kLanes * v, lanes);
+      // Rounded as torch's float32 -> bfloat16 conversion rounds (to nearest even, NaN kept).
+      __at_align__ float sums[kLanes];
+      sum.store(sums, lanes);
+      for (int64_t i = 0; i < lanes; ++i) {
+        outs[p][kLanes * v + i] = static_cast<at::BFloat16>(sums[i]);
+      }
+    }
   }
 }
 
-// float32: the panels a thread takes from its cursor, kPanels at a time (fewer at the end).
-template <int kVecs, int kPanels>
-void gemv_panel_groups(StealingCursor& cursor, const float* a, const float* weights, int64_t k,
-                       const float* bias, float* c, int64_t n) {
+// The panels a thread takes from its cursor, kPanels at a time (the last few one by one).
+template <int kVecs, int kPanels, typename W>
+void gemv_panel_groups(StealingCursor& cursor, const float* a, const W* weights, int64_t k,
+                       const float* bias, W* c, int64_t n) {
   constexpr int64_t block = kVecs * kLanes;
-  const float* panels[kPanels];
+  const W* panels[kPanels];
   const float* biases[kPanels];
-  float* outs[kPanels];
+  W* outs[kPanels];
   int64_t cols[kPanels];
   int taken = 0;
   for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-    panels[taken] = weights + b * panel_size<float>(k, block);
+    panels[taken] = weights + b * panel_size<W>(k, block);
     biases[taken] = bias != nullptr ? bias + b * block : nullptr;
     outs[taken] = c + b * block;
     cols[taken] = std::min(block, n - b * block);
@@ -144,7 +158,7 @@ void gemv_panel_groups(StealingCursor& cursor, const float* a, const float* weig
       taken = 0;
     }
   }
-  if constexpr (kPanels > 1) {  // the last few, one at a time
+  if constexpr (kPanels > 1) {
     for (int i = 0; i < taken; ++i) {
       gemv_panels<kVecs, 1>(a, panels + i, k, biases + i, outs + i, cols + i);
     }
@@ -154,17 +168,8 @@ void gemv_panel_groups(StealingCursor& cursor, const float* a, const float* weig
 template <int kVecs, typename W>
 void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const float* bias,
           W* c, int64_t n) {
-  constexpr int64_t block = kVecs * kLanes;
   parallel_stealing(num_blocks, [&](StealingCursor& cursor) {
-    if constexpr (std::is_same_v<W, float>) {
-      gemv_panel_groups<kVecs, gemv_panels_at_once<kVecs>()>(cursor, a, weights, k, bias, c, n);
-    } else {
-      for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-        gemv_panel<kVecs>(a, weights + b * panel_size<W>(k, block), k,
-                          bias != nullptr ? bias + b * block : nullptr, c + b * block,
-                          std::min(block, n - b * block));
-      }
-    }
+    gemv_panel_groups<kVecs, gemv_panels_at_once<kVecs>()>(cursor, a, weights, k, bias, c, n);
   });
 }
 
