@@ -233,3 +233,21 @@ def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(vectors: int) -> None:
         for row in range(5):
             alone = torch.ops.duoserve.packed_linear(batch[row : row + 1], packed, 200, with_bias)
             assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("vectors", [2, 3, 4])
+def test_a_few_rows_get_the_bits_they_get_in_a_bigger_batch(vectors: int) -> None:
+    """A decode step of a few requests (a GEMV over a few rows on AVX2, two at a time) sums
+    each row as a bigger batch's brgemm does, whatever the rows' count and stride."""
+    weight, bias = _weights(200, 576)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
+    wide = torch.randn(20, 600, generator=torch.Generator().manual_seed(3))
+    batch = wide[:, 7:583]  # rows 600 apart: the kernels read them in place
+    for with_bias in (None, bias):
+        together = torch.ops.duoserve.packed_linear(batch, packed, 200, with_bias)
+        for rows in range(1, 12):
+            for first in (0, 20 - rows):
+                part = torch.ops.duoserve.packed_linear(
+                    batch[first : first + rows], packed, 200, with_bias
+                )
+                assert torch.equal(part, together[first : first + rows]), (rows, first)

@@ -12,7 +12,7 @@
 // oneDNN's brgemm, which does not prefetch, stalled on each panel's first pass there. More
 // rows (prefill), and from two rows on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
 // through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
-// thread sweeps its blocks; one row there, a GEMV of our own (panel_gemv.h). Measured
+// thread sweeps its blocks; up to 8 rows there, a GEMV of our own (panel_gemv.h). Measured
 // with SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory,
 // on the 2-core machines this project runs on:
 // - Intel Xeon, AVX-512: MKL 97-108 ms at 64 rows, brgemm 75-90, the register tile 69-76
@@ -56,12 +56,19 @@ constexpr int64_t kMaxRegisterTileRows = 128;
 #else
 constexpr int64_t kMaxRegisterTileRows = 0;
 #endif
-// One row on AVX2: a GEMV of our own (panel_gemv.h), summing in brgemm's order with FMA. The
-// plain-C++ level has no FMA instruction to match brgemm's sums with, and keeps brgemm.
+// Up to kMaxGemvRows rows on AVX2 (a decode step of a few requests): a GEMV of our own
+// (panel_gemv.h), summing in brgemm's order with FMA. brgemm paid a fixed set-up per panel
+// call that a GEMV's streaming does not hide: on the Zen 3, SmolLM2's 120 decoder projections
+// at 2 rows took 13.0-16.3 ms here against 18.7-21.2 through brgemm, at 6 rows 18.9-21.6
+// against 22.3-24.7, at 8 alike (23.1-23.8 against 23.6-26.0), and at 12 brgemm was faster
+// (three alternating rounds in one process). The plain-C++ level has no FMA instruction to
+// match brgemm's sums with, and keeps brgemm.
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr bool kOneRowGemv = true;
+constexpr bool kRowsGemv = true;
+constexpr int64_t kMaxGemvRows = 8;
 #else
-constexpr bool kOneRowGemv = false;
+constexpr bool kRowsGemv = false;
+constexpr int64_t kMaxGemvRows = 1;
 #endif
 
 
@@ -186,7 +193,7 @@ bool gemv_bf16_row(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     widen_bf16(bias->data_ptr<at::BFloat16>(), bias32.data(), n);
   }
   out = at::empty({1, n}, x.options());
-  return gemv_any(vectors, a.data(), packed.data_ptr<at::BFloat16>(), packed.size(0), k,
+  return gemv_any(vectors, a.data(), k, 1, packed.data_ptr<at::BFloat16>(), packed.size(0), k,
                   bias.has_value() ? bias32.data() : nullptr, out.data_ptr<at::BFloat16>(), n);
 }
 
@@ -267,8 +274,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     });
     return out;
   }
-  if (kOneRowGemv && m == 1 &&
-      gemv_any(vectors, a_ptr, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
+  if (kRowsGemv && m <= kMaxGemvRows &&
+      gemv_any(vectors, a_ptr, lda, m, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
     return out;
   }
   brgemm_rows(a_ptr, lda, m, b_ptr, packed.size(0), k, block, bias_ptr, c_ptr, n);

@@ -1,6 +1,6 @@
-// One row (a lone request's decode step) times a weight packed in column panels
-// (packed_linear.cpp's layout), where the register tile does not take it (every build but
-// AVX-512's): each thread streams its panels from memory once.
+// One row (a lone request's decode step), or a few (float32), times a weight packed in column
+// panels (packed_linear.cpp's layout), where the register tile does not take them (every
+// build but AVX-512's): each thread streams its panels from memory once.
 #pragma once
 
 #include "vec.h"
@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
 
@@ -22,10 +23,11 @@ constexpr int64_t panel_size(int64_t k, int64_t block) {
   return (std::is_same_v<W, at::BFloat16> ? (k + 1) / 2 * 2 : k) * block;
 }
 
-// float32, kPanels panels at once: each k's value of the row times that k's line of every
-// panel, so a thread reads kPanels streams side by side. Each column vector's sum runs in k
-// order from zero and the bias is added last, the order brgemm sums a row in, so a row gets
-// the same bits alone as in a batch (tested), however many panels go together.
+// float32, kRows rows times kPanels panels at once: each k's value of each row times that
+// k's line of every panel, so a thread reads kPanels streams side by side. Each column
+// vector's sum runs in k order from zero and the bias is added last, the order brgemm sums a
+// row in, so a row gets the same bits alone as in a batch (tested), however many rows and
+// panels go together.
 // At one row brgemm paid its per-call set-up for every panel (a decode step's 121 projections
 // make ~2,400 panel calls a thread): on the AMD EPYC Zen 1 (AVX2), SmolLM2-135M's projections
 // and LM head with weights streaming from memory took 26.0-29.3 ms one panel at a time against
@@ -36,37 +38,44 @@ constexpr int64_t panel_size(int64_t k, int64_t block) {
 // 11.3-11.7 with 2 and 14.3-16.1 with one (five alternating rounds in one process); in a
 // one-request decode step the forward went from 16.0 to 14.4 ms (medians of 384 steps each,
 // alternating step by step).
-template <int kVecs, int kPanels>
-void gemv_panels(const float* __restrict a, const float* const* panels, int64_t k,
-                 const float* const* biases, float* const* outs, const int64_t* cols) {
-  vreg acc[kPanels][kVecs];
-  for (int p = 0; p < kPanels; ++p) {
-    for (int v = 0; v < kVecs; ++v) acc[p][v] = fvec(0.0f);
+template <int kVecs, int kRows, int kPanels>
+void gemv_panels(const float* __restrict a, int64_t lda, const float* const* panels, int64_t k,
+                 const float* const* biases, float* const* outs, int64_t ldc,
+                 const int64_t* cols) {
+  vreg acc[kRows][kPanels][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int p = 0; p < kPanels; ++p) {
+      for (int v = 0; v < kVecs; ++v) acc[r][p][v] = fvec(0.0f);
+    }
   }
   for (int64_t kk = 0; kk < k; ++kk) {
-    const vreg x = fvec(a[kk]);
+    vreg x[kRows];
+    for (int r = 0; r < kRows; ++r) x[r] = fvec(a[r * lda + kk]);
     for (int p = 0; p < kPanels; ++p) {
       for (int v = 0; v < kVecs; ++v) {
-        acc[p][v] = fmadd(x, fvec::loadu(panels[p] + (kk * kVecs + v) * kLanes), acc[p][v]);
+        const vreg w = fvec::loadu(panels[p] + (kk * kVecs + v) * kLanes);
+        for (int r = 0; r < kRows; ++r) acc[r][p][v] = fmadd(x[r], w, acc[r][p][v]);
       }
     }
   }
-  for (int p = 0; p < kPanels; ++p) {
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t lanes = std::clamp<int64_t>(cols[p] - kLanes * v, 0, kLanes);
-      fvec sum = fvec(acc[p][v]);
-      if (biases[p] != nullptr) sum = sum + fvec::loadu(biases[p] + kLanes * v, lanes);
-      sum.store(outs[p] + kLanes * v, lanes);
+  for (int r = 0; r < kRows; ++r) {
+    for (int p = 0; p < kPanels; ++p) {
+      for (int v = 0; v < kVecs; ++v) {
+        const int64_t lanes = std::clamp<int64_t>(cols[p] - kLanes * v, 0, kLanes);
+        fvec sum = fvec(acc[r][p][v]);
+        if (biases[p] != nullptr) sum = sum + fvec::loadu(biases[p] + kLanes * v, lanes);
+        sum.store(outs[p] + r * ldc + kLanes * v, lanes);
+      }
     }
   }
 }
 
 // Panels a GEMV step takes together: up to 4 (the measured best, above and below), fewer
-// where a float32 step's accumulators would not leave registers for the row's value and a
-// panel vector.
-template <int kVecs>
+// where a float32 step's accumulators for kRows rows would not leave registers for the rows'
+// values and a panel vector.
+template <int kVecs, int kRows = 1>
 constexpr int gemv_panels_at_once() {
-  return std::clamp((kVectorRegisters - 4) / kVecs, 1, 4);
+  return std::clamp((kVectorRegisters - 4) / (kRows * kVecs), 1, 4);
 }
 
 // bfloat16, packed in pairs of k, kPanels panels at once as float32's: each pair row is
@@ -84,9 +93,11 @@ constexpr int gemv_panels_at_once() {
 // some of their 24 accumulators on AVX2 and still kept up).
 constexpr int64_t kGemvPrefetchBytes = 4096;
 
-template <int kVecs, int kPanels>
-void gemv_panels(const float* __restrict a, const at::BFloat16* const* panels, int64_t k,
-                 const float* const* biases, at::BFloat16* const* outs, const int64_t* cols) {
+template <int kVecs, int kRows, int kPanels>
+void gemv_panels(const float* __restrict a, int64_t, const at::BFloat16* const* panels,
+                 int64_t k, const float* const* biases, at::BFloat16* const* outs, int64_t,
+                 const int64_t* cols) {
+  static_assert(kRows == 1, "bfloat16 panels take one row");
   constexpr int64_t kPairRow = 2 * kVecs * kLanes;  // bfloat16 values in a pair row
   constexpr int64_t kPairRowBytes = kPairRow * sizeof(at::BFloat16);
   vreg first[kPanels][kVecs], second[kPanels][kVecs];
@@ -138,10 +149,42 @@ void gemv_panels(const float* __restrict a, const at::BFloat16* const* panels, i
   }
 }
 
-// The panels a thread takes from its cursor, kPanels at a time (the last few one by one).
-template <int kVecs, int kPanels, typename W>
-void gemv_panel_groups(StealingCursor& cursor, const float* a, const W* weights, int64_t k,
-                       const float* bias, W* c, int64_t n) {
+// Each of a group's output pointers `offset` elements on.
+template <typename W, int kPanels>
+std::array<W*, kPanels> shifted(W* const* outs, int64_t offset) {
+  std::array<W*, kPanels> moved;
+  for (int p = 0; p < kPanels; ++p) moved[p] = outs[p] + offset;
+  return moved;
+}
+
+// Rows [0, m) of `a` times the panels of a group, kRows rows at a time (fewer at the end).
+template <int kVecs, int kRows, int kPanels, typename W>
+void rows_times_panels(const float* a, int64_t lda, int64_t m, const W* const* panels, int64_t k,
+                       const float* const* biases, W* const* outs, int64_t ldc,
+                       const int64_t* cols) {
+  int64_t r0 = 0;
+  for (; r0 + kRows <= m; r0 += kRows) {
+    W* rows_out[kPanels];
+    for (int p = 0; p < kPanels; ++p) rows_out[p] = outs[p] + r0 * ldc;
+    gemv_panels<kVecs, kRows, kPanels>(a + r0 * lda, lda, panels, k, biases, rows_out, ldc, cols);
+  }
+  if constexpr (kRows > 1) {
+    if (r0 < m) {
+      rows_times_panels<kVecs, kRows - 1, kPanels>(a + r0 * lda, lda, m - r0, panels, k, biases,
+                                                   shifted<W, kPanels>(outs, r0 * ldc).data(), ldc, cols);
+    }
+  }
+}
+
+// The panels a thread takes from its cursor, kPanels at a time (the last few one by one),
+// each group times all m rows, kRows at a time: the group's panels stream from memory for the
+// first rows and come from L2 for the others. Two rows a pass (two panels) measured faster
+// on the Zen 3 than one (four panels) at 2-16 rows; 3 or 4 rows a pass (one panel) ran no
+// faster than brgemm at 3-4 rows.
+template <int kVecs, int kRows, typename W>
+void gemv_panel_groups(StealingCursor& cursor, const float* a, int64_t lda, int64_t m,
+                       const W* weights, int64_t k, const float* bias, W* c, int64_t n) {
+  constexpr int kPanels = gemv_panels_at_once<kVecs, kRows>();
   constexpr int64_t block = kVecs * kLanes;
   const W* panels[kPanels];
   const float* biases[kPanels];
@@ -154,33 +197,41 @@ void gemv_panel_groups(StealingCursor& cursor, const float* a, const W* weights,
     outs[taken] = c + b * block;
     cols[taken] = std::min(block, n - b * block);
     if (++taken == kPanels) {
-      gemv_panels<kVecs, kPanels>(a, panels, k, biases, outs, cols);
+      rows_times_panels<kVecs, kRows, kPanels>(a, lda, m, panels, k, biases, outs, n, cols);
       taken = 0;
     }
   }
-  if constexpr (kPanels > 1) {
-    for (int i = 0; i < taken; ++i) {
-      gemv_panels<kVecs, 1>(a, panels + i, k, biases + i, outs + i, cols + i);
-    }
+  for (int i = 0; i < taken; ++i) {
+    rows_times_panels<kVecs, kRows, 1>(a, lda, m, panels + i, k, biases + i, outs + i, n,
+                                       cols + i);
   }
 }
 
+// m rows (1 for bfloat16; at most kMaxGemvRows) over every panel, the threads stealing them.
 template <int kVecs, typename W>
-void gemv(const float* a, const W* weights, int64_t num_blocks, int64_t k, const float* bias,
-          W* c, int64_t n) {
+void gemv(const float* a, int64_t lda, int64_t m, const W* weights, int64_t num_blocks,
+          int64_t k, const float* bias, W* c, int64_t n) {
   parallel_stealing(num_blocks, [&](StealingCursor& cursor) {
-    gemv_panel_groups<kVecs, gemv_panels_at_once<kVecs>()>(cursor, a, weights, k, bias, c, n);
+    if constexpr (std::is_same_v<W, float>) {
+      if (m == 1) {
+        gemv_panel_groups<kVecs, 1>(cursor, a, lda, m, weights, k, bias, c, n);
+      } else {
+        gemv_panel_groups<kVecs, 2>(cursor, a, lda, m, weights, k, bias, c, n);
+      }
+    } else {
+      gemv_panel_groups<kVecs, 1>(cursor, a, lda, m, weights, k, bias, c, n);
+    }
   });
 }
 
 // The panel widths gemv is compiled for (vectors per block), or false.
 template <typename W>
-bool gemv_any(int64_t vectors, const float* a, const W* weights, int64_t num_blocks, int64_t k,
-              const float* bias, W* c, int64_t n) {
+bool gemv_any(int64_t vectors, const float* a, int64_t lda, int64_t m, const W* weights,
+              int64_t num_blocks, int64_t k, const float* bias, W* c, int64_t n) {
   switch (vectors) {
-    case 2: gemv<2>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 3: gemv<3>(a, weights, num_blocks, k, bias, c, n); return true;
-    case 4: gemv<4>(a, weights, num_blocks, k, bias, c, n); return true;
+    case 2: gemv<2>(a, lda, m, weights, num_blocks, k, bias, c, n); return true;
+    case 3: gemv<3>(a, lda, m, weights, num_blocks, k, bias, c, n); return true;
+    case 4: gemv<4>(a, lda, m, weights, num_blocks, k, bias, c, n); return true;
     default: return false;
   }
 }
