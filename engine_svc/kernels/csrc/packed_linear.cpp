@@ -173,9 +173,9 @@ void brgemm_rows(const float* a, int64_t lda, int64_t m, const W* weights, int64
 }
 
 // bfloat16 weights where torch's bfloat16 matmul runs a scalar loop (AVX2, where oneDNN has
-// no bfloat16 kernel: 1.2 GFLOP/s at 64 rows, 70x slower than float32). Half the bytes stream from memory, each panel is
-// widened to float32 in cache, and the products and sums run in float32, rounded to
-// bfloat16 once at the end, as torch's bfloat16 matmul rounds.
+// no bfloat16 kernel: 1.2 GFLOP/s at 64 rows, 70x slower than float32). Half the bytes stream
+// from memory, each panel is widened to float32 in cache, and the products and sums run in
+// float32, rounded to bfloat16 once at the end, as torch's bfloat16 matmul rounds.
 // One row in bfloat16 and out in bfloat16, widened into and rounded from per-thread buffers
 // rather than float32 tensors: at a decode step's small projections (576 x 576) the three
 // conversions and their allocations took longer than the product from cache.

@@ -164,14 +164,14 @@ void rows_times_panels(const float* a, int64_t lda, int64_t m, const W* const* p
                        const int64_t* cols) {
   int64_t r0 = 0;
   for (; r0 + kRows <= m; r0 += kRows) {
-    W* rows_out[kPanels];
-    for (int p = 0; p < kPanels; ++p) rows_out[p] = outs[p] + r0 * ldc;
-    gemv_panels<kVecs, kRows, kPanels>(a + r0 * lda, lda, panels, k, biases, rows_out, ldc, cols);
+    gemv_panels<kVecs, kRows, kPanels>(a + r0 * lda, lda, panels, k, biases,
+                                       shifted<W, kPanels>(outs, r0 * ldc).data(), ldc, cols);
   }
   if constexpr (kRows > 1) {
     if (r0 < m) {
+      const auto rest = shifted<W, kPanels>(outs, r0 * ldc);
       rows_times_panels<kVecs, kRows - 1, kPanels>(a + r0 * lda, lda, m - r0, panels, k, biases,
-                                                   shifted<W, kPanels>(outs, r0 * ldc).data(), ldc, cols);
+                                                   rest.data(), ldc, cols);
     }
   }
 }
