@@ -62,13 +62,11 @@ constexpr int64_t kMaxRegisterTileRows = 0;
 // at 2 rows took 13.0-16.3 ms here against 18.7-21.2 through brgemm, at 6 rows 18.9-21.6
 // against 22.3-24.7, at 8 alike (23.1-23.8 against 23.6-26.0), and at 12 brgemm was faster
 // (three alternating rounds in one process). The plain-C++ level has no FMA instruction to
-// match brgemm's sums with, and keeps brgemm.
+// match brgemm's sums with, and keeps brgemm (no rows through the GEMV).
 #if defined(CPU_CAPABILITY_AVX2)
-constexpr bool kRowsGemv = true;
 constexpr int64_t kMaxGemvRows = 8;
 #else
-constexpr bool kRowsGemv = false;
-constexpr int64_t kMaxGemvRows = 1;
+constexpr int64_t kMaxGemvRows = 0;
 #endif
 
 
@@ -274,7 +272,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     });
     return out;
   }
-  if (kRowsGemv && m <= kMaxGemvRows &&
+  if (m <= kMaxGemvRows &&
       gemv_any(vectors, a_ptr, lda, m, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
     return out;
   }
