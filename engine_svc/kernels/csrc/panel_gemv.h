@@ -83,15 +83,18 @@ constexpr int gemv_panels_at_once() {
 // not into a scratch panel that brgemm then reads again (at one row the widening pass cost as
 // much as the product). A pair's first k and its second go to two accumulator sets, which
 // hides the FMA latency of a single row; the sums run in float32 in k order per set, added at
-// the end. Each line of a panel is requested 4 KB ahead (2, 8 and 16 KB were no faster).
-// Measured on the AMD EPYC Zen 1 (AVX2; SmolLM2-135M's projections and LM head, 269 MB of
-// bfloat16 streaming from memory, both threads, one call at a time from Python), one panel at
-// a time: 15.1-15.2 ms against 17.4-17.5 with k-major panels (a widening load and a shift per
-// vector of columns, one line in three requested ahead). On the Zen 3, the 120 decoder
-// projections (212 MB) in a C++ loop: 8.0-8.8 ms with 4 panels at once, 7.8-8.8 with 3,
-// 8.3-9.5 with 2 and 10.4-11.2 with one (five alternating rounds in one process; 4 spill
+// the end. Measured on the AMD EPYC Zen 1 (AVX2; SmolLM2-135M's projections and LM head, 269
+// MB of bfloat16 streaming from memory, both threads, one call at a time from Python), one
+// panel at a time: 15.1-15.2 ms against 17.4-17.5 with k-major panels (a widening load and a
+// shift per vector of columns, one line in three requested ahead). On the Zen 3, the 120
+// decoder projections (212 MB) in a C++ loop: 8.0-8.8 ms with 4 panels at once, 7.8-8.8 with
+// 3, 8.3-9.5 with 2 and 10.4-11.2 with one (five alternating rounds in one process; 4 spill
 // some of their 24 accumulators on AVX2 and still kept up).
-constexpr int64_t kGemvPrefetchBytes = 4096;
+// No software prefetch: the hardware's follows the 4 streams. Requesting each line 4 KB ahead
+// (what one panel at a time had on the Zen 1) made the Zen 3 slower, the same bits either
+// way: a one-request decode step's layers 8.04 and 7.88 ms (medians of 384 steps) against
+// 7.53 and 7.32 without, alternating step by step in one process (two runs); the projections
+// and LM head from Python, alternating call by call, 10.17 and 12.63 ms against 9.57, 11.87.
 
 template <int kVecs, int kRows, int kPanels>
 void gemv_panels(const float* __restrict a, int64_t, const at::BFloat16* const* panels,
@@ -99,7 +102,6 @@ void gemv_panels(const float* __restrict a, int64_t, const at::BFloat16* const* 
                  const int64_t* cols) {
   static_assert(kRows == 1, "bfloat16 panels take one row");
   constexpr int64_t kPairRow = 2 * kVecs * kLanes;  // bfloat16 values in a pair row
-  constexpr int64_t kPairRowBytes = kPairRow * sizeof(at::BFloat16);
   vreg first[kPanels][kVecs], second[kPanels][kVecs];
   for (int p = 0; p < kPanels; ++p) {
     for (int v = 0; v < kVecs; ++v) first[p][v] = second[p][v] = fvec(0.0f);
@@ -109,12 +111,6 @@ void gemv_panels(const float* __restrict a, int64_t, const at::BFloat16* const* 
     const vreg x0 = fvec(a[2 * pair]), x1 = fvec(a[2 * pair + 1]);
     for (int p = 0; p < kPanels; ++p) {
       const at::BFloat16* row = panels[p] + pair * kPairRow;
-      // Past a thread's last panel this requests lines beyond the weights: harmless for a
-      // prefetch, and computed as an integer, not as a pointer past the end.
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kGemvPrefetchBytes;
-      for (int64_t line = 0; line < kPairRowBytes; line += 64) {
-        __builtin_prefetch(reinterpret_cast<const void*>(ahead + line));
-      }
       for (int v = 0; v < kVecs; ++v) {
         vreg w0, w1;
         load_bf16_pairs(row + v * 2 * kLanes, w0, w1);
