@@ -1,5 +1,5 @@
 // AMX's tile registers, for the kernels that multiply bfloat16 with them (bf16_pairs_linear.cpp,
-// prefill_attention.cpp): Linux's permission and the one tile shape they all use. Include
+// prefill_attention_amx.h): Linux's permission and the one tile shape they all use. Include
 // after vec.h, which defines DUOSERVE_AMX_TILES.
 #pragma once
 
