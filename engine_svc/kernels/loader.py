@@ -24,7 +24,9 @@ SOURCES = [
     for name in (
         "paged_attention.cpp",
         "prefill_attention.cpp",
-        "norm_rotary.cpp",
+        "rms_norm.cpp",
+        "rotary.cpp",
+        "silu_and_mul.cpp",
         "packed_linear.cpp",
         "row_gemv.cpp",
         "bf16_pairs_linear.cpp",
