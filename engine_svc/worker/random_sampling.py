@@ -48,7 +48,7 @@ def sample(
     """The sampled token of each row of `logits` ([rows, vocab]; the math in float32 for
     float32, bfloat16 and float16 logits), each drawn with its own uniform number in [0, 1)
     from `uniforms` ([rows]). With `kernel` (the CPU kernels are loaded), rows without
-    top-k on CPU draw in C++ (engine_svc/kernels/csrc/sampling.cpp) from the same
+    top-k on CPU draw in C++ (engine_svc/kernels/csrc/sample_rows.cpp) from the same
     distribution, without the [rows, vocab] intermediates."""
     rows, vocab = logits.shape
     in_kernel = kernel_takes(logits, kernel)
@@ -85,7 +85,7 @@ def sample(
 
 
 def kernel_takes(logits: torch.Tensor, kernel: bool) -> bool:
-    """Whether the CPU kernels' row operators (sampling.cpp, logprobs.cpp) take `logits`:
+    """Whether the CPU kernels' row operators (sample_rows.cpp, logprobs.cpp) take `logits`:
     the kernels loaded, CPU, float32 or bfloat16, contiguous rows."""
     return (
         kernel
@@ -120,7 +120,7 @@ def _column(filters: list[RowFilters], field: str, device: torch.device) -> torc
 def _draw_in_kernel(
     logits: torch.Tensor, filters: list[RowFilters], u: torch.Tensor
 ) -> torch.Tensor:
-    """Rows without top-k through sampling.cpp, which rejects as _draw_from_nucleus does, as
+    """Rows without top-k through sample_rows.cpp, which rejects as _draw_from_nucleus does, as
     many rounds."""
     return torch.ops.duoserve.sample_rows(
         logits, *filter_columns(filters, logits.device), u.double().contiguous(), NUCLEUS_ROUNDS

@@ -47,7 +47,7 @@ class Sampler:
         self.device = device
         # With the CPU kernels loaded: argmax_rows (engine_svc/kernels/csrc/argmax.cpp),
         # torch.max's indices without its scalar loop; sample_rows and race_rows
-        # (sampling.cpp); token_logprobs (logprobs.cpp).
+        # (sample_rows.cpp, race_rows.cpp); token_logprobs (logprobs.cpp).
         self.kernels = kernels
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)

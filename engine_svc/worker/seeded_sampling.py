@@ -16,7 +16,7 @@ under preemption).
 Each token's E is a function of the row's key (from the request's seed and the output's
 index, race_key) and the token id alone: a counter-based hash, no generator state. So a
 row's numbers cost a few integer operations a token, computed where they are used (the
-CPU kernel computes the same hash, engine_svc/kernels/csrc/sampling.cpp), and a top-k row
+CPU kernel computes the same hash, engine_svc/kernels/csrc/race_rows.cpp), and a top-k row
 computes them for its k candidates only. Filling the vocabulary from a seeded
 torch.Generator instead (exponential_) took 0.88 ms a row of 49,152 tokens on the 2-core
 Xeon, and the race in torch another 0.19-0.44 ms.
@@ -85,7 +85,7 @@ def race(
     """Each row's token: the largest p / E over the tokens its filters keep, E the row's
     exponential_noise (keys: race_key's, one a row). logits: [rows, vocab]. Top-k rows race
     over their candidates together; with `kernel` (the CPU kernels are loaded), the other
-    rows race in sampling.cpp, else one at a time here."""
+    rows race in race_rows.cpp, else one at a time here."""
     rows, vocab = logits.shape
     device = logits.device
     in_kernel = kernel_takes(logits, kernel)

@@ -3,7 +3,7 @@ everything, mask, softmax). Where one uniform number decides a row's token, chec
 chance: the number swept over [0, 1), each token must come out for its probability's share of
 the sweep. Top-p's rejection draws, which reuse the number after a miss, are checked against
 many random draws. Each on both paths: torch's (any device) and, where the CPU kernels load,
-sampling.cpp's for the rows without top-k."""
+sample_rows.cpp's for the rows without top-k."""
 
 from __future__ import annotations
 
