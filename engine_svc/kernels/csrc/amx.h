@@ -1,4 +1,4 @@
-// AMX's tile registers, for the kernels that multiply bfloat16 with them (bf16_pairs_linear.cpp,
+// AMX's tile registers, for the kernels that multiply bfloat16 with them (bf16_pairs_amx.h,
 // prefill_attention_amx.h): Linux's permission and the one tile shape they all use. Include
 // after vec.h, which defines DUOSERVE_AMX_TILES.
 #pragma once
