@@ -259,7 +259,7 @@ def bf16_pairs_available(dtype: torch.dtype) -> bool:
     256 rows 73.7 against 75-77; a 2,048-row prefill projection 0.95-0.97x oneDNN's. On the
     Xeon with AMX, on huge pages: 1 row 9.6-10.3 ms against the row GEMV's 16.4 and oneDNN's
     18.6-22.2, 16 rows 12.7-13.6 against oneDNN's 18.8-21.2, 64 rows 17.5-23.8 against
-    24.2-25.1, 2,048 rows 1.3x oneDNN's time (bf16_pairs_linear.cpp)."""
+    24.2-25.1, 2,048 rows 1.3x oneDNN's time (bf16_pairs_amx.h)."""
     if dtype != torch.bfloat16:
         return False
     build = loaded_build()

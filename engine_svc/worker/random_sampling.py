@@ -85,8 +85,8 @@ def sample(
 
 
 def kernel_takes(logits: torch.Tensor, kernel: bool) -> bool:
-    """Whether the CPU kernels' row operators (sample_rows.cpp, logprobs.cpp) take `logits`:
-    the kernels loaded, CPU, float32 or bfloat16, contiguous rows."""
+    """Whether the CPU kernels' row operators (sample_rows.cpp, race_rows.cpp, logprobs.cpp)
+    take `logits`: the kernels loaded, CPU, float32 or bfloat16, contiguous rows."""
     return (
         kernel
         and logits.device.type == "cpu"

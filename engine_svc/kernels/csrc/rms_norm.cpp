@@ -131,8 +131,10 @@ void rms_norm_rows(const scalar_t* __restrict x, scalar_t* __restrict residual_o
 // to bfloat16 (round_to_bf16: in the float32 lanes, no packing until the store); the sum of
 // squares in torch's order, above. (The scalar loop above converted one value at a time:
 // 350 us for 300 rows of 576 on the Intel Xeon, 6% of a bfloat16 batch.)
-// The row functions are flattened: GCC left vector helpers as calls in this unit's later
-// functions (its inlining budget spent), which made them slower than scalar code.
+// The row functions are flattened: when this unit also held rotary and silu * up, GCC left
+// vector helpers as calls in its later functions (its inlining budget spent), which made them
+// slower than scalar code; rotary.cpp and silu_and_mul.cpp keep the attribute for the same
+// reason.
 
 __attribute__((flatten)) void rms_norm_row_bf16(const at::BFloat16* __restrict x,
                                                 at::BFloat16* __restrict summed,

@@ -29,5 +29,4 @@ inline void store(fvec rounded, at::BFloat16* p, int64_t n) {
   }
 }
 
-
 }  // namespace duoserve

@@ -63,7 +63,7 @@ constexpr bool kBf16DotProducts = false;
 #endif
 
 // AMX's bfloat16 tiles (Intel from Sapphire Rapids), where the build's -march has them beside
-// AVX512-BF16 (bf16_pairs_linear.cpp multiplies its panels with them; Linux only, which
+// AVX512-BF16 (bf16_pairs_amx.h multiplies its panels with them; Linux only, which
 // hands a process the tile registers on request).
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
     defined(__AMX_BF16__) && defined(__linux__)
