@@ -4,6 +4,8 @@ with or without parallelism."""
 
 from __future__ import annotations
 
+import datetime
+import socket
 from typing import Any
 
 import torch
@@ -44,17 +46,59 @@ class Collectives:
 SINGLE = Collectives(ParallelLayout())
 
 
+# How long a rank waits for the rendezvous store and for the other ranks there.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def host_rendezvous(master_addr: str, world_size: int) -> dist.TCPStore:
+    """The ranks' rendezvous store, served by the caller at master_addr on a port the kernel
+    picks (its `.port`). The caller binds the socket and hands it over, so the port stays
+    bound from here on (a port found free, closed and handed to rank 0 could be taken in
+    between) and the store listens on master_addr alone (TCPStore binding its own port
+    listens on every interface). The store closes the socket when it is collected."""
+    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+    listener = socket.create_server((master_addr, 0), family=family)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        master_addr,
+        port,
+        world_size,
+        is_master=True,
+        timeout=RENDEZVOUS_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+
+
 def init_distributed(
-    layout: ParallelLayout, master_addr: str, master_port: int, backend: str
+    layout: ParallelLayout,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    rendezvous_hosted: bool = False,
 ) -> Collectives:
     """Join the process group of every rank, then build each stage's tensor-parallel group
-    (every rank creates every group, in the same order, as torch.distributed requires)."""
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=layout.rank,
-        world_size=layout.world_size,
-    )
+    (every rank creates every group, in the same order, as torch.distributed requires).
+    With `rendezvous_hosted`, the store at master_addr:master_port is already served
+    (host_rendezvous) and every rank is its client; else rank 0 serves it."""
+    if rendezvous_hosted:
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            layout.world_size,
+            is_master=False,
+            timeout=RENDEZVOUS_TIMEOUT,
+        )
+        dist.init_process_group(
+            backend, store=store, rank=layout.rank, world_size=layout.world_size
+        )
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=layout.rank,
+            world_size=layout.world_size,
+        )
     tp_group = None
     for stage in range(layout.pp_size):
         ranks = list(range(stage * layout.tp_size, (stage + 1) * layout.tp_size))

@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import logging
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -29,9 +28,11 @@ from concurrent.futures import Future
 from typing import Any
 
 import zmq
+from torch.distributed import TCPStore
 
 from engine_svc.config import EngineConfig
 from engine_svc.core.sched.output import SchedulerOutput
+from engine_svc.distributed.collectives import host_rendezvous
 from engine_svc.executor.base import Executor, FailureCallback, RunnerResult, WorkerMemory
 from engine_svc.executor.worker_spawn import executor_ports, spawn_workers, tcp_bind_host
 from engine_svc.executor.worker_wire import (
@@ -96,8 +97,20 @@ class MultiprocExecutor(Executor):
             host = tcp_bind_host(config)
             self._call_socket.bind(f"tcp://{host}:{calls_port}")
             self._reply_socket.bind(f"tcp://{host}:{replies_port}")
-        master_port = config.master_port or _free_port(config.master_addr)
-        self.processes = spawn_workers(config, master_port, local_calls, local_replies)
+        # One machine: this process serves the ranks' rendezvous on a port it keeps. Several:
+        # rank 0 serves it at the given port, where the other machines' ranks find it.
+        self._rendezvous: TCPStore | None = None
+        master_port = config.master_port
+        if master_port == 0:
+            self._rendezvous = host_rendezvous(config.master_addr, self.world_size)
+            master_port = self._rendezvous.port
+        self.processes = spawn_workers(
+            config,
+            master_port,
+            local_calls,
+            local_replies,
+            rendezvous_hosted=self._rendezvous is not None,
+        )
         try:
             self._wait_until_ready(startup_timeout_s)
         except BaseException:
@@ -252,6 +265,7 @@ class MultiprocExecutor(Executor):
             sock.close(linger=0)
         self._zmq.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._rendezvous = None  # its port closes with it
 
 
 def _result(call: _Call, call_id: int) -> Any:
@@ -264,10 +278,3 @@ def _result(call: _Call, call_id: int) -> Any:
             return PendingSample(None, reply.pending_request_ids, step=call_id)
         return reply.output
     return None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port

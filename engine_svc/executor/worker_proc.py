@@ -113,7 +113,9 @@ class _Worker:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if config.master_addr in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
-        collectives = init_distributed(layout, config.master_addr, args.master_port, backend)
+        collectives = init_distributed(
+            layout, config.master_addr, args.master_port, backend, args.rendezvous_hosted
+        )
         spec = load_model_spec(config.model)
         self.layout = layout
         self.runner = ModelRunner(
