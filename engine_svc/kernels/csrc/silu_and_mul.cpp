@@ -18,9 +18,9 @@ namespace duoserve {
 namespace {
 
 // One row of silu(gate) * up; in bfloat16, silu(gate) rounded before the product, as
-// torch's silu then mul round (a table lookup, vec.h). Two vectors a step: float32's exp is
-// a long chain of dependent FMAs, and on a core that splits 256-bit operations in two (the
-// Zen 1) one vector a step could not overlap the next one's chain (bfloat16 with exp, 64
+// torch's silu then mul round (a table lookup, vec_silu.h). Two vectors a step: float32's
+// exp is a long chain of dependent FMAs, and on a core that splits 256-bit operations in two
+// (the Zen 1) one vector a step could not overlap the next one's chain (bfloat16 with exp, 64
 // rows of 1536: 215 us against 190 for the 16 values a step before; float32 118).
 template <typename T>
 __attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __restrict out,
@@ -41,7 +41,7 @@ __attribute__((flatten)) void silu_and_mul_row(const T* __restrict gate, T* __re
 }
 
 // x: [rows, 2 * width], gate then up (the fused gate_up projection's output) ->
-// silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) as torch computes it (vec.h)
+// silu(gate) * up, [rows, width]. silu(g) = g / (1 + exp(-g)) as torch computes it (vec_silu.h)
 // in float32; bfloat16 computed in float32 and rounded where torch's two ops round, so both
 // are torch's bits wherever torch's loop runs vectors; other dtypes, torch's ops.
 at::Tensor silu_and_mul(const at::Tensor& x) {
