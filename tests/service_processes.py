@@ -433,6 +433,7 @@ class StreamResult:
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.first_message = asyncio.Event()
+        self.ended_at: float | None = None  # when the stream ended (reported by some tests)
 
 
 async def consume(stub: engine_pb2_grpc.EngineCoreServiceStub, request: pb.GenerateRequest,
@@ -446,4 +447,6 @@ async def consume(stub: engine_pb2_grpc.EngineCoreServiceStub, request: pb.Gener
                 result.finish_reason = response.finish_reason
     except grpc.aio.AioRpcError as error:
         result.code, result.details = error.code(), error.details() or ""
+    finally:
+        result.ended_at = time.monotonic()
     return result

@@ -5,6 +5,7 @@ with or without parallelism."""
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any
 
@@ -56,18 +57,24 @@ def host_rendezvous(master_addr: str, world_size: int) -> dist.TCPStore:
     bound from here on (a port found free, closed and handed to rank 0 could be taken in
     between) and the store listens on master_addr alone (TCPStore binding its own port
     listens on every interface). The store closes the socket when it is collected."""
-    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
-    listener = socket.create_server((master_addr, 0), family=family)
+    host = master_addr.strip("[]")  # an IPv6 literal may come bracketed, as in a URL
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.create_server(address[:2], family=family)
     port = listener.getsockname()[1]
-    return dist.TCPStore(
-        master_addr,
-        port,
-        world_size,
-        is_master=True,
-        timeout=RENDEZVOUS_TIMEOUT,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=RENDEZVOUS_TIMEOUT,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def init_distributed(
@@ -83,7 +90,7 @@ def init_distributed(
     (host_rendezvous) and every rank is its client; else rank 0 serves it."""
     if rendezvous_hosted:
         store = dist.TCPStore(
-            master_addr,
+            master_addr.strip("[]"),
             master_port,
             layout.world_size,
             is_master=False,

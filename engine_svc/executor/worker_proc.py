@@ -16,6 +16,7 @@ import threading
 import zmq
 import zmq.utils.monitor
 
+from engine_svc.executor.worker_spawn import LOOPBACK
 from engine_svc.executor.worker_wire import (
     READY,
     AllocateKVCache,
@@ -111,7 +112,7 @@ class _Worker:
             device = torch.device("cuda", args.rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if config.master_addr in ("127.0.0.1", "localhost"):
+        if config.master_addr in LOOPBACK:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
         collectives = init_distributed(
             layout, config.master_addr, args.master_port, backend, args.rendezvous_hosted

@@ -61,3 +61,10 @@ def test_the_store_listens_on_loopback_only() -> None:
     store = host_rendezvous("127.0.0.1", 1)
     # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex), not 00000000 (every interface).
     assert _listening_addresses(store.port) == ["0100007F"]
+
+
+def test_a_host_name_is_served_where_it_resolves() -> None:
+    store = host_rendezvous("localhost", 2)
+    client = dist.TCPStore("localhost", store.port, 2, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    client.set("rank1", "here")
+    assert store.get("rank1") == b"here"
