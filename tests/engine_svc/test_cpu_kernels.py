@@ -360,7 +360,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
 
 
 def test_bf16_silu_and_mul_is_torch_s_for_every_gate_value() -> None:
-    """bfloat16 silu(gate) is a lookup by the gate's bits (vec.h's silu_bf16_table): all
+    """bfloat16 silu(gate) is a lookup by the gate's bits (vec_silu.h's silu_bf16_table): all
     65,536 gates, NaNs and infinities included, against torch's silu then mul."""
     gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     up = (torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 4).to(gate.dtype)

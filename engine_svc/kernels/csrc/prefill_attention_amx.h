@@ -133,7 +133,7 @@ inline void tile_gemm(const at::BFloat16* a, int64_t lda, int64_t rows_padded,
 }
 
 // rows x width float32 values that are bfloat16 already (P's rounded numerators), as
-// bfloat16 (vec.h's store_bf16 keeps their high halves).
+// bfloat16 (vec_bf16.h's store_bf16 keeps their high halves).
 inline void narrow_exact(const float* src, int64_t rows, int64_t width, at::BFloat16* dst) {
   for (int64_t i = 0; i < rows * width; i += kLanes) store_bf16(fvec::loadu(src + i), dst + i);
 }

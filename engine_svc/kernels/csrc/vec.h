@@ -156,6 +156,8 @@ inline fvec transpose_sum(const vreg* v) {
 }  // namespace duoserve
 
 // The rest of the vector vocabulary, which every source gets with this header: bfloat16 in
-// and out of float32 lanes (vec_bf16.h), and silu (vec_silu.h).
+// and out of float32 lanes (vec_bf16.h), and silu (vec_silu.h). They are parts of this
+// header, included from here only.
+#define DUOSERVE_VEC_H
 #include "vec_bf16.h"
 #include "vec_silu.h"

@@ -1,9 +1,11 @@
 // bfloat16 in and out of the float32 lanes of vec.h: exact widening loads (one value a lane,
 // or a pair a lane), rounding to nearest even as torch rounds, stores of rounded lanes, and a
-// row's largest value in either dtype. Comes with vec.h.
+// row's largest value in either dtype. Part of vec.h.
 #pragma once
 
-#include "vec.h"
+#ifndef DUOSERVE_VEC_H
+#error "include vec.h, which brings this header with it"
+#endif
 
 namespace duoserve {
 

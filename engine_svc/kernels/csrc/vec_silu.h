@@ -1,9 +1,10 @@
 // silu and silu(gate) * up on the float32 lanes of vec.h, with torch's bits: float32 through
-// ATen's vectorized exp, bfloat16 through a table of every rounded value. Comes with vec.h.
+// ATen's vectorized exp, bfloat16 through a table of every rounded value. Part of vec.h.
 #pragma once
 
-#include "vec.h"
-#include "vec_bf16.h"
+#ifndef DUOSERVE_VEC_H
+#error "include vec.h, which brings this header with it"
+#endif
 
 namespace duoserve {
 
