@@ -12,6 +12,13 @@ at SCHED_IDLE: it runs only on a core the engine leaves idle, and a step that me
 not yet mapped faults it in itself. At normal priority the same thread competed with the
 forward for the two cores and the first batch ran a sixth slower. Where the advice is not
 supported, the memory stays lazy and correct.
+
+The KV cache stays on 4 KiB pages. On transparent huge pages (the weights' arena's
+huge_page_bytes) decode attention over 64 sequences whose blocks lie in random order ran
+1.2-1.5x faster in a microbenchmark, but SmolLM2's float32 batch under `bench steps`, waiting
+for the cache to be mapped in first, took 25.7-30.7 s against 26.6-28.1 (three alternating
+pairs of two rounds, Zen 4 VM), and mapping it in took 8 s against 1. (Why the engine gains
+nothing was not measured; its pool hands out the lowest free blocks first.)
 """
 
 from __future__ import annotations

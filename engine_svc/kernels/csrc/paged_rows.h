@@ -54,6 +54,12 @@ inline TokenRows locate_rows(const int32_t* table, int64_t first, int64_t contex
 // of K and V, every KV head's, requested when it starts, and with them the next task's
 // (claimed a task ahead); the scores on AMX's tiles (a block's 16 key rows an A tile as they
 // lie, the query heads a B tile: 1 ms faster for 30 layers in cache, none from memory).
+// On another Zen 4 VM (same family and model; its float32 30 layers 46-60 ms, one thread
+// 101 ms against two threads' 52: bound per core, not by the memory), alternating in one
+// process: no prefetch at all measured alike (61.3 against 59.9 ms best); the first KV head's
+// pass requesting every head's lines of the row, and the K pass requesting V's rows too, no
+// faster; one pass over whole rows for every KV head (scores and V sums chunk by chunk, the
+// same bits) 3-5% faster with 4 to 64 rows ahead, not worth a second copy of the kernel.
 constexpr int64_t kLeadTokens = 40;
 
 // The rows of a task's tokens in order, `span` elements each (kSpan when known at compile
