@@ -315,7 +315,7 @@ def _run_here(args: argparse.Namespace) -> None:
         system = functools.partial(engine_system, args, num_threads)
     else:
         system = functools.partial(hf_system, args)
-    settle = _kv_cache_mapped_in if args.system == "ours" else None
+    settle = kv_cache_mapped_in if args.system == "ours" else None
     if args.workload_file is not None:
         serve_workload(system, args.workload_file, settle)
         return
@@ -324,11 +324,12 @@ def _run_here(args: argparse.Namespace) -> None:
     serve(system, workload.prompts, workload.single_prompt, workload.output_len, settle)
 
 
-def _kv_cache_mapped_in() -> None:
+def kv_cache_mapped_in() -> None:
     """Our timed rounds start once the engine's KV cache is mapped in: a CPU engine serves
     while an idle-priority thread faults its pages in (host_memory.py), 7-21 s after start on
     a fresh 2-core VM, and a batch run beside it read 8-10% slow (290 against 313-322 tokens/s,
-    `--rounds 1`; 315-328 once it waited). Start-up is timed before this, as a user meets it."""
+    `--rounds 1`; 315-328 once it waited). Start-up is timed before this, as a user meets it.
+    `bench steps` waits the same way."""
     from engine_svc.worker.host_memory import wait_populated
 
     began = time.perf_counter()
