@@ -51,13 +51,18 @@ SINGLE = Collectives(ParallelLayout())
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+def _host(master_addr: str) -> str:
+    """The address a socket takes: an IPv6 literal may come bracketed, as in a URL."""
+    return master_addr.strip("[]")
+
+
 def host_rendezvous(master_addr: str, world_size: int) -> dist.TCPStore:
     """The ranks' rendezvous store, served by the caller at master_addr on a port the kernel
     picks (its `.port`). The caller binds the socket and hands it over, so the port stays
     bound from here on (a port found free, closed and handed to rank 0 could be taken in
     between) and the store listens on master_addr alone (TCPStore binding its own port
     listens on every interface). The store closes the socket when it is collected."""
-    host = master_addr.strip("[]")  # an IPv6 literal may come bracketed, as in a URL
+    host = _host(master_addr)
     family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     listener = socket.create_server(address[:2], family=family)
     port = listener.getsockname()[1]
@@ -90,7 +95,7 @@ def init_distributed(
     (host_rendezvous) and every rank is its client; else rank 0 serves it."""
     if rendezvous_hosted:
         store = dist.TCPStore(
-            master_addr.strip("[]"),
+            _host(master_addr),
             master_port,
             layout.world_size,
             is_master=False,

@@ -104,13 +104,7 @@ class MultiprocExecutor(Executor):
         if master_port == 0:
             self._rendezvous = host_rendezvous(config.master_addr, self.world_size)
             master_port = self._rendezvous.port
-        self.processes = spawn_workers(
-            config,
-            master_port,
-            local_calls,
-            local_replies,
-            rendezvous_hosted=self._rendezvous is not None,
-        )
+        self.processes = spawn_workers(config, master_port, local_calls, local_replies)
         try:
             self._wait_until_ready(startup_timeout_s)
         except BaseException:

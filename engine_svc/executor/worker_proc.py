@@ -114,8 +114,10 @@ class _Worker:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if config.master_addr in LOOPBACK:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
+        # No --master-port: the executor serves the rendezvous (MultiprocExecutor).
+        hosted = config.master_port == 0
         collectives = init_distributed(
-            layout, config.master_addr, args.master_port, backend, args.rendezvous_hosted
+            layout, config.master_addr, args.master_port, backend, rendezvous_hosted=hosted
         )
         spec = load_model_spec(config.model)
         self.layout = layout

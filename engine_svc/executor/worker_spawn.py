@@ -34,11 +34,7 @@ def remote_addresses(config: EngineConfig) -> tuple[str, str]:
 
 
 def spawn_workers(
-    config: EngineConfig,
-    master_port: int,
-    call_address: str,
-    reply_address: str,
-    rendezvous_hosted: bool = False,
+    config: EngineConfig, master_port: int, call_address: str, reply_address: str
 ) -> list[subprocess.Popen[bytes]]:
     """This machine's worker ranks, each a fresh interpreter (not a fork, nor a
     multiprocessing child: the engine-core process may itself be a daemonic multiprocessing
@@ -55,7 +51,6 @@ def spawn_workers(
             call_address=call_address,
             reply_address=reply_address,
             master_port=master_port,
-            rendezvous_hosted=rendezvous_hosted,
             parent_pid=os.getpid(),
             num_threads=num_threads,
             log_level=log_level if isinstance(log_level, str) else "INFO",

@@ -22,9 +22,6 @@ class WorkerProcArgs(msgspec.Struct, kw_only=True):
     call_address: str  # the worker's own call socket (ipc://)
     reply_address: str  # every worker's replies, to the executor
     master_port: int
-    # The executor serves the rendezvous store at master_port (one machine): every rank is
-    # its client. Else rank 0 serves it.
-    rendezvous_hosted: bool = False
     parent_pid: int  # the engine-core process: the worker exits when it is gone
     num_threads: int
     log_level: str = "INFO"
