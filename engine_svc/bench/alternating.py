@@ -99,20 +99,29 @@ def summarize(
     bytes_per_param: int,
 ) -> Summary:
     """Every system's figures; ours/HF and vLLM/HF ratios where Hugging Face ran, ours/vLLM
-    where vLLM did; the ceilings' fractions for our engine."""
+    where vLLM did; the ceilings, and the fractions of them each system reaches (ours as
+    `mfu` and `mbu`, the others as `hf_mfu`, `vllm_mbu`...)."""
     ours = results["ours"]
-    processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / ours.batch_s
-    decode_s = ours.decode_ms_per_token(workload) / 1000
+
+    def utilization(result: SystemResult) -> Summary:
+        processed_per_s = (workload.num_prompt_tokens + workload.num_output_tokens) / result.batch_s
+        decode_s = result.decode_ms_per_token(workload) / 1000
+        return ceiling.utilization_figures(
+            ceilings, num_params, bytes_per_param, processed_per_s, decode_s
+        )
+
     summary: Summary = {
         "rounds": len(ours.batch_rounds),
         "num_prompts": len(workload.prompts),
         "prompt_tokens": workload.num_prompt_tokens,
         "output_len": workload.output_len,
         **_figures("ours", ours, workload),
-        **ceiling.utilization_figures(
-            ceilings, num_params, bytes_per_param, processed_per_s, decode_s
-        ),
+        **utilization(ours),
     }
+    for name, result in results.items():
+        if name != "ours":
+            figures = utilization(result)
+            summary |= {f"{name}_mfu": figures["mfu"], f"{name}_mbu": figures["mbu"]}
     hf, vllm = results.get("hf"), results.get("vllm")
     if hf is not None:
         summary |= _figures("hf", hf, workload) | _ratios("", ours, hf, "hf")
@@ -189,3 +198,19 @@ def print_table(summary: Summary, dtype: str) -> None:
     if "ours_over_vllm" in summary:
         print(f"throughput ours/vLLM: {cell('ours_over_vllm', '.2f')}x (median of the rounds)")
     print(ceiling.describe(summary))
+    for name in systems[1:]:
+        print(_baseline_utilization(summary, name))
+
+
+def _baseline_utilization(summary: Summary, name: str) -> str:
+    """A baseline's fractions of the ceilings, and what they bound: both systems' MFU count
+    the same FLOPs, so ours/baseline is our MFU over its, at most 1 / its MFU (our batch at
+    the GEMM ceiling) where a target asks for more."""
+    mfu, mbu = summary.get(f"{name}_mfu"), summary.get(f"{name}_mbu")
+    line = f"{LABELS[name]}: MFU of the batch {100 * float(mfu or 0):.1f}%"
+    if mfu:
+        line += f" (ours/{LABELS[name]} with ours at the GEMM ceiling: {1 / float(mfu):.2f}x)"
+    line += ", MBU of 1-request decode " + (
+        "not measurable" if mbu is None else f"{100 * float(mbu):.1f}%"
+    )
+    return line

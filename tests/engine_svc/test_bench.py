@@ -78,8 +78,11 @@ def test_bench_runs_every_system_and_reports_every_figure(
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_prompts"] == 3 and summary["output_len"] == 4 and summary["rounds"] == 2
     assert summary["outputs_equal_hf"] == 3  # greedy, the same tokens as Hugging Face
-    for key in ("ours_tok_s", "hf_tok_s", "throughput_ratio", "latency_ratio", "mfu"):
+    for key in ("ours_tok_s", "hf_tok_s", "throughput_ratio", "latency_ratio", "mfu", "hf_mfu"):
         assert summary[key] > 0, key
+    # the baselines' fractions of the same ceilings, and the ratio ours at the ceiling bounds
+    assert "HF: MFU of the batch" in done.stdout and "vLLM: MFU of the batch" in done.stdout
+    assert "ours/HF with ours at the GEMM ceiling" in done.stdout
     # 4 tokens: on a loaded machine the noise can exceed the decode time after the first
     # token, and then there is no MBU to report (never a negative one).
     assert summary["mbu"] is None or summary["mbu"] > 0
