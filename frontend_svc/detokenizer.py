@@ -11,6 +11,13 @@ goes out at once: a stop string that ends there ends at the token that completed
 Special tokens that decoding skips never enter the window: the tokenizer drops them before
 its decoder runs, so the text is the same, and a long run of them (a model repeating its end
 token under ignore_eos) costs a set lookup each instead of re-decoding a growing window.
+
+Bytes that never become a character (a model emitting stray UTF-8 lead bytes) would keep
+the window growing the same way, each token re-decoding all of them: 4,000 such tokens took
+1.7 s of the frontend's event loop. A character still open at the end of the output has at
+most 3 bytes, at least one in each of its tokens, so once more than MAX_HELD_TOKENS tokens are
+held, the text before the last OPEN_TOKENS of them is final wherever decoding splits there
+(checked), and goes out with its replacement characters.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders write for bytes that are not (yet) valid UTF-8
+OPEN_TOKENS = 3  # the most tokens a character still open at the end can span (3 bytes)
+MAX_HELD_TOKENS = 8  # held past this many, the text before the last OPEN_TOKENS is final
 
 
 class Decoder(Protocol):
@@ -56,10 +65,15 @@ class IncrementalDetokenizer:
         # token completes: hold it back until then (or until flush). The text before it is
         # final already, so a stop string ending there ends at this token.
         if new_text.endswith(REPLACEMENT_CHAR):
-            end = len(new_text.rstrip(REPLACEMENT_CHAR))
-            if end <= start:
-                return ""
-            self.emitted = end - len(prefix_text)
+            end = max(len(new_text.rstrip(REPLACEMENT_CHAR)), start)
+            final = self._final_text_length(new_text)
+            if final is None:
+                self.emitted = end - len(prefix_text)
+            else:  # the window moves on to the tokens that may still be open
+                end = max(end, final)
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.token_ids) - OPEN_TOKENS
+                self.emitted = end - final
             return new_text[start:end]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
@@ -74,6 +88,21 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.emitted = 0
         return new_text[start:]
+
+    def _final_text_length(self, new_text: str) -> int | None:
+        """Where more than MAX_HELD_TOKENS tokens are held: how much of the window's text all
+        but the last OPEN_TOKENS tokens give, where decoding splits there (the two parts
+        decoded apart give the window's text). That text is final, replacement characters
+        and all: no character can still be open that far back. None where fewer are held,
+        or the parts decode otherwise together (the next token tries again, one further on).
+        """
+        if len(self.token_ids) - self.read_offset <= MAX_HELD_TOKENS:
+            return None
+        split = len(self.token_ids) - OPEN_TOKENS
+        skip = self.skip_special_tokens
+        head = self.decoder.decode(self.token_ids[self.prefix_offset : split], skip)
+        tail = self.decoder.decode(self.token_ids[split:], skip)
+        return len(head) if new_text == head + tail else None
 
     def _decode_window(self) -> tuple[str, str]:
         skip = self.skip_special_tokens

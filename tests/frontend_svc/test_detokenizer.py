@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from frontend_svc.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
 from frontend_svc.tokenizer import Tokenizer
 
 VOCAB_SIZE = 49152
@@ -83,11 +83,19 @@ def test_joined_deltas_equal_decoding_the_whole_output(
         st.sampled_from(byte_token_ids),
         st.sampled_from(SPECIAL_IDS),
     )
-    token_ids = data.draw(st.lists(token, max_size=40))
+    # Runs of byte pieces longer than MAX_HELD_TOKENS: the window moves on inside them.
+    run = st.lists(st.sampled_from(byte_token_ids), min_size=1, max_size=3 * MAX_HELD_TOKENS)
+    pieces = data.draw(st.lists(st.one_of(token.map(lambda t: [t]), run), max_size=24))
+    token_ids = [token_id for piece in pieces for token_id in piece]
     deltas = stream(tokenizer, token_ids, skip_special_tokens)
-    assert "".join(deltas) == tokenizer.decode(token_ids, skip_special_tokens)
-    # Mid-stream, never a partial character at the end of a delta.
-    assert not any(delta.endswith(REPLACEMENT_CHAR) for delta in deltas[:-1])
+    whole = tokenizer.decode(token_ids, skip_special_tokens)
+    assert "".join(deltas) == whole
+    # Mid-stream, nothing that later changes: never the first bytes of a character the next
+    # tokens complete (as a replacement character), so every joined prefix is the whole's.
+    emitted = ""
+    for delta in deltas:
+        emitted += delta
+        assert whole.startswith(emitted)
 
 
 class CountingDecoder:
@@ -115,6 +123,50 @@ def test_a_long_run_of_special_tokens_costs_no_more_than_other_tokens(
     text = "".join([*(detokenizer.add(t) for t in token_ids), detokenizer.flush()])
     assert text == tokenizer.decode(token_ids, skip_special_tokens)
     assert decoder.tokens_decoded <= 8 * len(token_ids)
+
+
+def test_bytes_that_never_make_a_character_cost_no_more_than_other_tokens(
+    tokenizer: Tokenizer,
+) -> None:
+    # A model emitting a UTF-8 lead byte over and over (174 decodes to the byte 0xE3): no
+    # character ever completes, and each token used to re-decode all of them.
+    assert tokenizer.decode([174], False) == REPLACEMENT_CHAR
+    token_ids = [*tokenizer.encode("Hi"), *[174] * 2000, *tokenizer.encode(" 世 there")]
+    decoder = CountingDecoder(tokenizer)
+    detokenizer = IncrementalDetokenizer(decoder)
+    deltas = []
+    for token_id in token_ids:
+        deltas.append(detokenizer.add(token_id))
+        assert len(detokenizer.token_ids) - detokenizer.prefix_offset <= 3 * MAX_HELD_TOKENS
+    text = "".join([*deltas, detokenizer.flush()])
+    assert text == tokenizer.decode(token_ids, True)
+    assert decoder.tokens_decoded <= 32 * len(token_ids)  # about 21; 1,000 before the bound
+    # The replacement characters go out as they become final, not all at the end.
+    assert sum(delta.count(REPLACEMENT_CHAR) for delta in deltas[:1000]) >= 900
+
+
+def test_a_character_begun_after_a_long_run_of_stray_bytes_is_held_until_complete(
+    tokenizer: Tokenizer,
+) -> None:
+    character = tokenizer.encode("世")  # three byte pieces
+    token_ids = [*[174] * (3 * MAX_HELD_TOKENS), *character]
+    deltas = stream(tokenizer, token_ids, True)
+    assert deltas[-2].endswith("世") and not any("世" in d for d in deltas[:-2])
+    assert "".join(deltas) == tokenizer.decode(token_ids, True)
+
+
+@pytest.mark.parametrize("stray", range(2 * MAX_HELD_TOKENS))
+def test_stray_bytes_that_decode_together_are_never_split(tokenizer: Tokenizer, stray: int) -> None:
+    # 174 then 219 (the bytes 0xE3 0x81: a character begun, then broken) decode together to
+    # one replacement character, apart to two: wherever the window would move on, the text
+    # out so far is always the start of the whole output's.
+    assert tokenizer.decode([174, 219], False) == REPLACEMENT_CHAR
+    token_ids = [*[174] * (MAX_HELD_TOKENS + stray), 174, 219, *[174] * (3 * MAX_HELD_TOKENS)]
+    deltas = stream(tokenizer, token_ids, True)
+    whole = tokenizer.decode(token_ids, True)
+    for end in range(1, len(deltas) + 1):
+        assert whole.startswith("".join(deltas[:end]))
+    assert "".join(deltas) == whole
 
 
 def test_the_special_ids_are_those_decoding_skips(tokenizer: Tokenizer) -> None:
