@@ -16,8 +16,8 @@ Bytes that never become a character (a model emitting stray UTF-8 lead bytes) wo
 the window growing the same way, each token re-decoding all of them: 4,000 such tokens took
 1.7 s of the frontend's event loop. A character still open at the end of the output has at
 most 3 bytes, at least one in each of its tokens, so once more than MAX_HELD_TOKENS tokens are
-held, the text before the last OPEN_TOKENS of them is final wherever decoding splits there
-(checked), and goes out with its replacement characters.
+held, the text before the last OPEN_TOKENS of them is final, and goes out with its replacement
+characters where decoding splits there (`_final_text_length`).
 """
 
 from __future__ import annotations
@@ -91,18 +91,27 @@ class IncrementalDetokenizer:
 
     def _final_text_length(self, new_text: str) -> int | None:
         """Where more than MAX_HELD_TOKENS tokens are held: how much of the window's text all
-        but the last OPEN_TOKENS tokens give, where decoding splits there (the two parts
-        decoded apart give the window's text). That text is final, replacement characters
-        and all: no character can still be open that far back. None where fewer are held,
-        or the parts decode otherwise together (the next token tries again, one further on).
-        """
+        but the last OPEN_TOKENS tokens give. In UTF-8 that text is final, replacement
+        characters and all: no character can still be open that far back. Decoders that
+        decode a run of byte tokens as a whole (SentencePiece's byte fallback: one replacement
+        character a byte where the run is not valid UTF-8) are not local like that, so the
+        text must also split there in the window as it will be once moved on: both windows'
+        parts decoded apart give the window's text. None where fewer are held or either
+        split differs (the next token tries again, one further on)."""
         if len(self.token_ids) - self.read_offset <= MAX_HELD_TOKENS:
             return None
         split = len(self.token_ids) - OPEN_TOKENS
         skip = self.skip_special_tokens
-        head = self.decoder.decode(self.token_ids[self.prefix_offset : split], skip)
-        tail = self.decoder.decode(self.token_ids[split:], skip)
-        return len(head) if new_text == head + tail else None
+        decode = self.decoder.decode
+        head = decode(self.token_ids[self.prefix_offset : split], skip)
+        tail = decode(self.token_ids[split:], skip)
+        if new_text != head + tail:
+            return None
+        moved = self.token_ids[self.read_offset :]
+        moved_head = decode(moved[: split - self.read_offset], skip)
+        if decode(moved, skip) != moved_head + tail:
+            return None
+        return len(head)
 
     def _decode_window(self) -> tuple[str, str]:
         skip = self.skip_special_tokens

@@ -169,6 +169,67 @@ def test_stray_bytes_that_decode_together_are_never_split(tokenizer: Tokenizer, 
     assert "".join(deltas) == whole
 
 
+@pytest.mark.parametrize("character", ["世", "😀"])
+@pytest.mark.parametrize("stray", range(2 * MAX_HELD_TOKENS))
+def test_a_character_after_stray_bytes_is_never_released_half_done(
+    tokenizer: Tokenizer, character: str, stray: int
+) -> None:
+    # Its bytes one token each (the longest a character can span), after any number of
+    # stray lead bytes: wherever the window moves on, never inside the character.
+    pieces = [byte_token(tokenizer, byte) for byte in character.encode()]
+    token_ids = [*[174] * stray, *pieces, *tokenizer.encode("a")]
+    deltas = stream(tokenizer, token_ids, True)
+    whole = tokenizer.decode(token_ids, True)
+    assert whole.endswith(character + "a")
+    for end in range(1, len(deltas) + 1):
+        assert whole.startswith("".join(deltas[:end]))
+
+
+class ByteRunDecoder:
+    """SentencePiece's byte fallback, in small: ids below 256 are bytes, a run of them
+    decoded as a whole, one replacement character a byte where the run is not valid UTF-8;
+    256 and up are the letters a, b, ... Such decoding is not local: a byte can change the
+    text of every byte before it in its run."""
+
+    special_token_ids: frozenset[int] = frozenset()
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        text, run = [], bytearray()
+        for token_id in [*token_ids, -1]:
+            if 0 <= token_id < 256:
+                run.append(token_id)
+                continue
+            try:
+                text.append(run.decode())
+            except UnicodeDecodeError:
+                text.append(REPLACEMENT_CHAR * len(run))
+            run.clear()
+            if token_id >= 256:
+                text.append(chr(ord("a") + token_id - 256))
+        return "".join(text)
+
+
+def test_the_window_moves_on_only_where_the_moved_window_decodes_the_same() -> None:
+    # A run of bytes invalid from its first: all replacement characters, one a byte, the
+    # window's and the whole's alike; but the window moved on past the first byte would
+    # decode its valid 3-byte character (E4 B8 96) as a character.
+    token_ids = [0x96, *[0x41] * 7, 0xE4, 0xB8, 0x96, *[0x41] * 3, 0xE3]
+    decoder = ByteRunDecoder()
+    detokenizer = IncrementalDetokenizer(decoder)
+    text = "".join([*(detokenizer.add(t) for t in token_ids), detokenizer.flush()])
+    assert text == decoder.decode(token_ids, True) == REPLACEMENT_CHAR * len(token_ids)
+
+
+def byte_token(tokenizer: Tokenizer, byte: int) -> int:
+    """The byte-level BPE token of one byte (GPT-2's map of bytes to printable characters)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    character = chr(byte) if byte in printable else chr(256 + others.index(byte))
+    token_id = tokenizer.backend.token_to_id(character)
+    assert token_id is not None, byte
+    return token_id
+
+
 def test_the_special_ids_are_those_decoding_skips(tokenizer: Tokenizer) -> None:
     assert tokenizer.special_token_ids == frozenset(range(17))  # <|endoftext|> .. <empty_output>
     for token_id in range(tokenizer.vocab_size):
