@@ -107,10 +107,10 @@ class IncrementalDetokenizer:
         tail = decode(self.token_ids[split:], skip)
         if new_text != head + tail:
             return None
-        moved = self.token_ids[self.read_offset :]
-        moved_head = decode(moved[: split - self.read_offset], skip)
-        if decode(moved, skip) != moved_head + tail:
-            return None
+        if self.read_offset != self.prefix_offset:  # else the moved window is this one
+            moved = self.token_ids[self.read_offset :]
+            if decode(moved, skip) != decode(moved[: split - self.read_offset], skip) + tail:
+                return None
         return len(head)
 
     def _decode_window(self) -> tuple[str, str]:

@@ -211,11 +211,8 @@ def _baseline_utilization(summary: Summary, name: str) -> str:
     mfu, mbu = summary.get(f"{name}_mfu"), summary.get(f"{name}_mbu")
     if not mfu:
         return f"{LABELS[name]}: no MFU"
-    line = (
+    decode = "not measurable" if mbu is None else f"{100 * float(mbu):.1f}%"
+    return (
         f"{LABELS[name]}: MFU of the batch {100 * float(mfu):.1f}% (ours/{LABELS[name]} "
-        f"with ours at the GEMM ceiling: {1 / float(mfu):.2f}x)"
+        f"with ours at the GEMM ceiling: {1 / float(mfu):.2f}x), MBU of 1-request decode {decode}"
     )
-    line += ", MBU of 1-request decode " + (
-        "not measurable" if mbu is None else f"{100 * float(mbu):.1f}%"
-    )
-    return line
