@@ -26,6 +26,7 @@ from frontend_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set
 from frontend_svc.server.servicer import GenerationServicer
 from frontend_svc.service import Frontend
 from frontend_svc.tokenizer import Tokenizer
+from shared.gc_heap import freeze_heap
 from shared.grpc_auth import ClientToken, TokenSet, server_interceptors
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import ClientTLS, ServerTLS
@@ -105,6 +106,7 @@ async def _serve(options: FrontendOptions, metrics: FrontendMetrics) -> int:
             await server.stop(grace=None)
             return 0 if stop.done() else 1
         frontend.tokenizer = tokenizer
+        freeze_heap("the frontend")
         pool.notify()
         await stop
         logger.info("shutting down: in-flight calls get %g s", options.shutdown_grace_s)

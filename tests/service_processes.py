@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -450,3 +451,11 @@ async def consume(stub: engine_pb2_grpc.EngineCoreServiceStub, request: pb.Gener
     finally:
         result.ended_at = time.monotonic()
     return result
+
+
+def frozen_at_start(log_path: Path, what: str) -> int:
+    """How many objects the process that logged `what` froze out of garbage collection when
+    it started (shared/gc_heap.py's line in its log); 0 if it logged none."""
+    pattern = re.compile(rf"{re.escape(what)} started: (\d+) objects frozen")
+    found = pattern.findall(log_path.read_text(errors="replace"))
+    return int(found[-1]) if found else 0

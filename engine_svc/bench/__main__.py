@@ -4,7 +4,8 @@ Hugging Face `generate` on the same prompts), `serve` (through the frontend's gR
 an engine that runs no model: the stack's own cost) or `prefix` (the time to first token of
 a prompt with a cached prefix, against none cached) or `steps` (where an offline batch's time
 goes: prompt and decode steps, and a decode step's parts) or `kernels` (our CPU kernels at
-the model's shapes against what torch does in their place).
+the model's shapes against what torch does in their place) or `gc` (the garbage collector's
+cost to the engine core's start and its pauses after).
 `python -m engine_svc.bench MODE --help` lists a mode's options."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ MODES = {
     "prefix": "engine_svc.bench.prefix_ttft",
     "steps": "engine_svc.bench.step_times",
     "kernels": "engine_svc.bench.kernel_times",
+    "gc": "engine_svc.bench.gc_pause",
 }
 
 

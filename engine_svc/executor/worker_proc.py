@@ -32,6 +32,7 @@ from engine_svc.executor.worker_wire import (
     encode_reply,
 )
 from engine_svc.worker.outputs import PendingSample
+from shared.gc_heap import startup_heap
 from shared.parent_watch import wait_until_gone
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def run_worker(encoded_args: bytes) -> None:
     replies.connect(args.reply_address)
     exit_code = 0
     try:
-        worker = _Worker(args)
+        with startup_heap(f"worker {args.rank}"):
+            worker = _Worker(args)
         replies.send(encode_reply(WorkerReply(call_id=READY, rank=args.rank)))
         poller = zmq.Poller()
         poller.register(calls, zmq.POLLIN)

@@ -19,6 +19,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.control_messages import EngineDead, ShutdownRequest
 from engine_svc.proc.engine_io import EngineIO
 from engine_svc.proc.wire import OutputType, RequestType, decode_proc_args
+from shared.gc_heap import startup_heap
 
 if TYPE_CHECKING:
     from engine_svc.proc.engine_core_proc import EngineCoreProc
@@ -40,9 +41,10 @@ def run_engine_core(encoded_args: bytes) -> None:
     engine: EngineCoreProc | None = None
     exit_code = 0
     try:
-        from engine_svc.proc.engine_core_proc import EngineCoreProc
+        with startup_heap(f"engine core {args.engine_index}"):
+            from engine_svc.proc.engine_core_proc import EngineCoreProc
 
-        engine = EngineCoreProc(_config_for_rank(args.config, args.engine_index), io)
+            engine = EngineCoreProc(_config_for_rank(args.config, args.engine_index), io)
         engine.run_busy_loop()
     except BaseException as error:
         logger.exception("engine core %d failed", args.engine_index)

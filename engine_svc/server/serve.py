@@ -19,6 +19,7 @@ from engine_svc.server import generate_many
 from engine_svc.server.app import DEFAULT_MAX_MESSAGE_BYTES, build_server, set_serving
 from engine_svc.server.metrics import EngineServiceMetrics
 from engine_svc.server.servicer import EngineCoreServicer
+from shared.gc_heap import freeze_heap
 from shared.grpc_auth import TokenSet, server_interceptors
 from shared.grpc_tls import ServerTLS
 from shared.metrics.grpc_server import GrpcServerMetrics
@@ -93,6 +94,7 @@ async def _serve(config: EngineConfig, options: ServiceOptions, registry: Collec
             await server.stop(grace=None)
             return 0 if stop_reason.done() and stop_reason.result() == "signal" else 1
         client.set_observer(_engine_metrics(registry, options, client))
+        freeze_heap("the engine service")
         await set_serving(health_servicer, True)
         logger.info("serving %s", options.model_name)
         if await stop_reason == "dead":

@@ -26,6 +26,7 @@ from tests.service_processes import (
     StreamResult,
     consume,
     engine_stub,
+    frozen_at_start,
     generate_request,
     run_async,
 )
@@ -337,6 +338,12 @@ def test_model_info_health_and_reflection(service: ServiceProcess, tiny_model_di
     assert (info.data_parallel_size, info.architecture) == (1, "LlamaForCausalLM")
     names = {s.name for s in answer.list_services_response.service}
     assert {"engine.v1.EngineCoreService", "grpc.health.v1.Health"} <= names
+
+
+def test_the_engine_processes_freeze_their_start_up_heap(service: ServiceProcess) -> None:
+    # Full collections skip what start-up built (shared/gc_heap.py): the model, the blocks.
+    assert frozen_at_start(service.log_path, "engine core 0") > 10_000
+    assert frozen_at_start(service.log_path, "the engine service") > 10_000
 
 
 def test_tokenizer_streams_a_loadable_copy(

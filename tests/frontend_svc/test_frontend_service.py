@@ -26,6 +26,7 @@ from tests.service_processes import (
     SERVING,
     FrontendProcess,
     ServiceProcess,
+    frozen_at_start,
     run_async,
     wait_all_serving,
 )
@@ -97,6 +98,12 @@ def prompt_requests(**sampling: Any) -> list[pb.GenerateRequest]:
         pb.GenerateRequest(prompt=p, sampling_params=greedy(m, **sampling))
         for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)
     ]
+
+
+def test_each_service_freezes_its_start_up_heap(services: Services) -> None:
+    for frontend in (services.frontend, services.second_frontend):
+        assert frozen_at_start(frontend.log_path, "the frontend") > 10_000
+    assert frozen_at_start(services.engine.log_path, "engine core 0") > 10_000
 
 
 def test_greedy_text_equals_hf_generate_and_decode_and_streams_join_to_it(
