@@ -31,6 +31,7 @@ from shared.grpc_auth import ClientToken, TokenSet, server_interceptors
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from shared.grpc_tls import ClientTLS, ServerTLS
 from shared.metrics.http_server import start_metrics_server
+from shared.metrics.process import register_process_metrics
 from shared.parent_watch import stop_with_parent
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class FrontendOptions:
 async def serve(options: FrontendOptions) -> int:
     """Run the service, its metrics on their own port; returns the process exit code."""
     metrics = FrontendMetrics(CollectorRegistry())
+    register_process_metrics(metrics.registry)
     metrics_server = start_metrics_server(metrics.registry, options.host, options.metrics_port)
     try:
         return await _serve(options, metrics)

@@ -24,6 +24,7 @@ from shared.grpc_auth import TokenSet, server_interceptors
 from shared.grpc_tls import ServerTLS
 from shared.metrics.grpc_server import GrpcServerMetrics
 from shared.metrics.http_server import start_metrics_server
+from shared.metrics.process import register_process_metrics
 from shared.parent_watch import stop_with_parent
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ServiceOptions:
 async def serve(config: EngineConfig, options: ServiceOptions) -> int:
     """Run the service, its metrics on their own port; returns the process exit code."""
     registry = CollectorRegistry()
+    register_process_metrics(registry)
     metrics_server = start_metrics_server(registry, options.host, options.metrics_port)
     try:
         return await _serve(config, options, registry)

@@ -136,6 +136,21 @@ def test_every_request_and_token_is_accounted_for(service: ServiceProcess) -> No
     assert promtool_problems(text) == []
 
 
+def test_the_service_process_reports_its_memory_cpu_and_collections(
+    service: ServiceProcess,
+) -> None:
+    samples = _samples(_scrape(service))
+    assert _total(samples, "process_resident_memory_bytes") > 10e6
+    assert _total(samples, "process_cpu_seconds_total") > 0
+    assert 0 < time.time() - _total(samples, "process_start_time_seconds") < 3600
+    assert {labels["generation"] for labels, _ in samples["python_gc_collections_total"]} == {
+        "0",
+        "1",
+        "2",
+    }
+    assert samples["python_info"] and samples["process_open_fds"]
+
+
 def test_prometheus_scrapes_the_service_and_answers_rate_and_quantile(
     service: ServiceProcess, tmp_path: Path
 ) -> None:

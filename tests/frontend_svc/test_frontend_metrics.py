@@ -125,5 +125,8 @@ def test_prometheus_scrapes_both_services(stack: Stack, tmp_path: Path) -> None:
         assert 0 < ttft[0] < 60
         finished = prometheus.wait_for("sum by (job) (rate(vllm:request_success_total[30s]))", 15)
         assert len(finished) == 1  # the frontend's series only: dashboards count once
+        # Each service's own process, under the names every Prometheus Python client uses.
+        prometheus.wait_for("count(process_resident_memory_bytes > 1e7) >= 2", 15)
+        prometheus.wait_for('count(python_gc_collections_total{generation="2"}) >= 2', 15)
     finally:
         prometheus.stop()
