@@ -144,8 +144,12 @@ async def _load_tokenizer(pool: EnginePool, options: FrontendOptions) -> Tokeniz
             logger.info("tokenizer loaded from engine %s", endpoint.address)
             return tokenizer
         changed.clear()
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands
+        # as the event is set (a health report every poll), and the start-up wait then ran
+        # past --startup-timeout and every stop signal.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout=1.0)
+            async with asyncio.timeout(1.0):
+                await changed.wait()
 
 
 async def _first(work: Any, stop: asyncio.Future[str], timeout_s: float) -> Tokenizer | None:

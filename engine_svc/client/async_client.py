@@ -141,7 +141,8 @@ class AsyncMPClient:
             for rank in range(self.num_ranks):
                 await self._send(rank, RequestType.SHUTDOWN, ShutdownRequest(timeout_s))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._all_exited.wait(), timeout_s + EXIT_GRACE_S)
+            async with asyncio.timeout(timeout_s + EXIT_GRACE_S):  # wait_for can drop a cancel
+                await self._all_exited.wait()
         clean = self._all_exited.is_set() and self.dead_error is None
         deadline = asyncio.get_running_loop().time() + STREAM_FLUSH_S
         while self._streams and asyncio.get_running_loop().time() < deadline:

@@ -332,7 +332,8 @@ class Multiplexer:
 async def _initial_metadata(call: grpc.aio.StreamStreamCall[Any, Any]) -> tuple[Any, ...] | None:
     """The call's initial metadata; None when the server sends none in time (nor ends it)."""
     try:
-        metadata = await asyncio.wait_for(call.initial_metadata(), MARKERLESS_STATUS_WAIT_S)
+        async with asyncio.timeout(MARKERLESS_STATUS_WAIT_S):  # not wait_for: it can drop a cancel
+            metadata = await call.initial_metadata()
     except TimeoutError:
         return None
     return tuple(metadata or ())
@@ -342,7 +343,8 @@ async def _status_without_marker(call: grpc.aio.StreamStreamCall[Any, Any]) -> E
     """Why a call whose initial metadata lacks GENERATE_MANY_READY ended. A server that keeps
     it open without saying it serves GenerateMany is taken for one without the method."""
     try:
-        code = await asyncio.wait_for(call.code(), MARKERLESS_STATUS_WAIT_S)
+        async with asyncio.timeout(MARKERLESS_STATUS_WAIT_S):
+            code = await call.code()
     except TimeoutError:
         return EngineStatusError(grpc.StatusCode.UNIMPLEMENTED, "no GenerateMany marker")
     return _call_status(code, await call.details() or "")
