@@ -48,6 +48,10 @@ async def _timed(
                 timer.on_tokens(sum(len(choice.token_ids) for choice in update.choices))
                 finish_reason = _first_choice_finish(update) or finish_reason
                 yield update
+    except TimeoutError:
+        # The client's deadline passed, seen here first (the engine call's own deadline)
+        # rather than by gRPC cancelling the call: an abort either way.
+        raise
     except Exception:
         # Refused before anything came back (overload, no engine): not a request to count.
         record, finish_reason = started, "error"

@@ -106,6 +106,15 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         raise RuntimeError("a bug")
     if request == b"quiet":
         context.set_code(grpc.StatusCode.NOT_FOUND)  # a status set without raising
+    if request in (b"slow", b"late"):
+        try:
+            await asyncio.sleep(30)  # past the client's deadline: gRPC cancels the handler
+        except asyncio.CancelledError:
+            if request == b"slow":
+                raise
+            # The servicer saw the deadline itself at that moment (its own timer) and
+            # aborts a call that is already over: the abort fails.
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
     return request
 
 
@@ -113,6 +122,8 @@ async def _stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIte
     yield b"one"
     if request == b"busy":
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+    if request == b"slow":
+        await asyncio.sleep(30)
     yield b"two"
 
 
@@ -130,6 +141,13 @@ async def _calls(address: str) -> None:
         assert [m async for m in stream(b"fine")] == [b"one", b"two"]
         with pytest.raises(grpc.aio.AioRpcError):
             _ = [m async for m in stream(b"busy")]
+        for call in (unary(b"slow", timeout=0.2), unary(b"late", timeout=0.2)):
+            with pytest.raises(grpc.aio.AioRpcError) as passed:
+                await call
+            assert passed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.aio.AioRpcError) as passed:
+            _ = [m async for m in stream(b"slow", timeout=0.2)]
+        assert passed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         await watch.read()
         watch.cancel()
@@ -148,8 +166,11 @@ async def _serve_and_call(registry: CollectorRegistry) -> None:
     await server.start()
     try:
         await asyncio.wait_for(_calls(f"127.0.0.1:{port}"), 30)
-        for _ in range(100):  # the cancelled Watch is counted once its handler unwinds
-            if registry.get_sample_value("grpc_server_handling_seconds_count", _WATCH):
+        for _ in range(100):  # cancelled calls are counted once their handlers unwind
+            if registry.get_sample_value("grpc_server_handling_seconds_count", _WATCH) and (
+                _handled(registry, "Unary", "DeadlineExceeded") == 2
+                and _handled(registry, "Stream", "DeadlineExceeded") == 1
+            ):
                 break
             await asyncio.sleep(0.05)
     finally:
@@ -175,9 +196,12 @@ def test_the_interceptor_counts_calls_by_method_and_code_and_times_them() -> Non
     assert _handled(registry, "Unary", "NotFound") == 1
     assert _handled(registry, "Stream", "OK") == 1
     assert _handled(registry, "Stream", "ResourceExhausted") == 1
+    # A passed deadline is what the client saw, however the handler ended.
+    assert _handled(registry, "Unary", "DeadlineExceeded") == 2
+    assert _handled(registry, "Stream", "DeadlineExceeded") == 1
     labels = {"grpc_type": "unary", "grpc_service": SERVICE, "grpc_method": "Unary"}
-    assert registry.get_sample_value("grpc_server_started_total", labels) == 5
-    assert registry.get_sample_value("grpc_server_handling_seconds_count", labels) == 5
+    assert registry.get_sample_value("grpc_server_started_total", labels) == 7
+    assert registry.get_sample_value("grpc_server_handling_seconds_count", labels) == 7
     watch_code = {**_WATCH, "grpc_code": "Canceled"}
     assert registry.get_sample_value("grpc_server_handled_total", watch_code) == 1
     assert promtool_problems(generate_latest(registry).decode()) == []

@@ -1,0 +1,58 @@
+"""How the frontend's metrics count a request's end (frontend_svc/metrics.py), driven by
+update streams the test writes: a passed deadline is an abort whichever side saw it first
+(gRPC cancelling the call, or the engine call's own deadline raising TimeoutError); a
+failure after the first update is an error; a refusal before any is not counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from frontend_svc.messages import ChoiceDelta, GenerationUpdate, ModelInfo
+from frontend_svc.metrics import FrontendMetrics
+
+MODEL = ModelInfo(model_name="m", max_model_len=64, vocab_size=100, eos_token_ids=(2,))
+
+
+async def _updates(tokens: int, then: BaseException | None) -> AsyncGenerator[GenerationUpdate]:
+    for i in range(tokens):
+        yield GenerationUpdate(request_id="r", choices=[ChoiceDelta(index=0, token_ids=[i])])
+    if then is not None:
+        raise then
+
+
+def _outcomes(tokens: int, then: BaseException | None) -> dict[str, float]:
+    registry = CollectorRegistry()
+
+    async def body() -> None:
+        tracked = FrontendMetrics(registry).track(MODEL, 3, _updates(tokens, then))
+        with pytest.raises(type(then)) if then is not None else contextlib.nullcontext():
+            async for _ in tracked:
+                pass
+
+    asyncio.run(body())
+    return {
+        sample.labels["finished_reason"]: sample.value
+        for family in registry.collect()
+        if family.name == "vllm:request_success"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.value
+    }
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_passed_deadline_is_an_abort_before_or_after_the_first_token(tokens: int) -> None:
+    assert _outcomes(tokens, TimeoutError("the deadline passed")) == {"abort": 1.0}
+
+
+def test_a_cancelled_call_is_an_abort() -> None:
+    assert _outcomes(2, asyncio.CancelledError()) == {"abort": 1.0}
+
+
+def test_a_failure_after_the_first_token_is_an_error_and_before_it_not_a_request() -> None:
+    assert _outcomes(2, RuntimeError("engine failed")) == {"error": 1.0}
+    assert _outcomes(0, RuntimeError("no engine")) == {}
