@@ -9,7 +9,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -31,11 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--score", action="store_true", help="score the prompt: its tokens' logprobs")
     add("--system", help="a system message for --chat")
     add("--stream", action="store_true", help="print text as it arrives")
-    add("--max-tokens", type=int, default=128, help="default: %(default)s")
+    add("--max-tokens", type=whole(1, UINT32_MAX), default=128, help="default: %(default)s")
     add("--temperature", type=float, help="0 is greedy (default: the engine's, 1.0)")
     add("--top-p", type=float)
-    add("--seed", type=int)
-    add("--n", type=int, default=1, help="completions (default: %(default)s)")
+    add("--seed", type=whole(INT64_MIN, INT64_MAX))
+    add("--n", type=whole(1, UINT32_MAX), default=1, help="completions (default: %(default)s)")
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
     add(
         "--bad-word",
@@ -52,6 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_client_arguments(parser, "--tls", "the frontend")
     return parser
+
+
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def whole(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], which the request's field holds
+    (the server checks what it means; this keeps protobuf from refusing it with a trace)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return parse
 
 
 def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
@@ -130,11 +150,15 @@ def score(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespac
     request = pb.GenerateRequest(prompt=args.prompt, sampling_params=params)
     response = stub.Generate(request, timeout=args.timeout, metadata=call_metadata(args.auth_token))
     entries = response.prompt_logprobs
+    if not entries:
+        print("nothing to score: a prompt's first token has no logprob, and this prompt has "
+              "one token", file=sys.stderr)  # fmt: skip
+        return
     for position, entry in enumerate(entries, start=1):
         token, logprob = entry.token_id, entry.logprob
         print(f"{position:6d} token {token:7d}  logprob {logprob:9.4f}  rank {entry.rank}")
     total = sum(entry.logprob for entry in entries)
-    perplexity = math.exp(-total / len(entries)) if entries else float("nan")
+    perplexity = math.exp(-total / len(entries))
     print(f"{len(entries)} tokens scored: total logprob {total:.4f}, perplexity {perplexity:.3f}")
 
 
@@ -174,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a prompt, or --chat")
     if args.score and args.chat:
         parser.error("--score takes a prompt, not --chat")
+    if args.score and args.n != 1:
+        parser.error("--score scores the prompt once: no --n")
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     try:

@@ -18,7 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from frontend_svc.client import build_parser, sampling_params
+from frontend_svc.client import build_parser, sampling_params, score
+from frontend_svc.client import main as client_main
+from shared.frontend_protos import frontend_pb2 as pb
 from shared.protos import engine_pb2, engine_pb2_grpc
 from tests.process_tree import child_pids, descendants, is_alive
 from tests.service_processes import REPO_ROOT, free_port, service_env
@@ -199,3 +201,38 @@ def test_the_launcher_refuses_mutual_tls_it_cannot_probe(tmp_path: Path) -> None
                "--tls-client-ca-file", str(ca.pem.cert)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--probe-tls-cert-file" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "-1"], "argument --max-tokens: -1 is not in [1, 4294967295]"),
+        (["--max-tokens", "many"], "argument --max-tokens: 'many' is not a whole number"),
+        (["--n", str(2**32)], "argument --n: 4294967296 is not in [1, 4294967295]"),
+        (["--seed", str(2**63)], f"argument --seed: {2**63} is not in"),
+        (["--score", "--n", "2"], "--score scores the prompt once: no --n"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+    ],
+)
+def test_the_client_refuses_what_a_request_cannot_carry_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        client_main(["Hi", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scoring_a_one_token_prompt_says_there_is_nothing_to_score(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class OneTokenStub:  # the frontend's answer for a prompt of one token: no logprobs
+        def Generate(self, request: pb.GenerateRequest, **_: object) -> pb.GenerateResponse:
+            assert request.sampling_params.prompt_logprobs == 0
+            return pb.GenerateResponse()
+
+    args = build_parser().parse_args(["Hi", "--score"])
+    args.auth_token = None  # main() reads it from --auth-token-file or the environment
+    score(OneTokenStub(), args)  # type: ignore[arg-type]
+    out = capsys.readouterr()
+    assert out.out == "" and "nothing to score" in out.err
