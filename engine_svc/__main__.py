@@ -202,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_default_model())
     from shared.model_store import resolve_model
 
-    model_dir = str(resolve_model(args.model))  # a GGUF file: its converted directory
+    try:
+        model_dir = str(resolve_model(args.model))  # a GGUF file: its converted directory
+        spec = load_model_spec(model_dir)
+    except FileNotFoundError as error:
+        parser.error(f"--model: {error}")
     try:
         config = engine_config(args, model_dir)
         check_divisible(
-            load_model_spec(model_dir),
-            ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size),
+            spec, ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
         )
     except InvalidRequestError as error:
         parser.error(f"--{error.field.replace('_', '-')}: {error.message}")

@@ -57,7 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resolve-interval", type=float, default=5.0, help="seconds between DNS look-ups")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for a tokenizer")
     add("--shutdown-grace", type=float, default=10.0, help="seconds for in-flight calls on stop")
-    add("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    add(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest gRPC message the frontend accepts from or sends to a client (default: "
+        "%(default)s)",
+    )
     add(
         "--stream-write-timeout",
         type=float,

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_arguments(parser)  # the frontend's TLS
     # How the launcher itself asks the frontend whether it serves, under TLS.
-    add_client_arguments(parser, "--probe-tls", "the frontend (default CA: --tls-cert-file)")
+    add_client_arguments(parser, "--probe-tls", "the frontend", ca_default="--tls-cert-file")
     return parser
 
 

@@ -74,9 +74,11 @@ class Frontend:
         validate_request(request)
         field, prompt_token_ids = self._prompt_token_ids(request)
         keep = request.sampling.truncate_prompt_tokens
-        if keep is not None:
+        length_field = field
+        if keep is not None and len(prompt_token_ids) > keep:
             prompt_token_ids = prompt_token_ids[-keep:]
-        validate_prompt(field, prompt_token_ids, self.model_info())
+            length_field = "sampling_params.truncate_prompt_tokens"  # set the length
+        validate_prompt(field, prompt_token_ids, self.model_info(), length_field)
         sampling = request.sampling
         if sampling.bad_words:
             tokenizer = self._tokenizer()

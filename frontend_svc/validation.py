@@ -71,14 +71,17 @@ def _check_strings(field: str, what: str, strings: Sequence[str]) -> None:
             )
 
 
-def validate_prompt(field: str, token_ids: Sequence[int], model: ModelInfo) -> None:
+def validate_prompt(
+    field: str, token_ids: Sequence[int], model: ModelInfo, length_field: str | None = None
+) -> None:
     """The prompt as the engine will see it; `field` is the input the client used, so a text
-    that tokenizes too long is reported against `prompt`, not token ids it never sent."""
+    that tokenizes too long is reported against `prompt`, not token ids it never sent;
+    `length_field`, where another field set the prompt's length (truncate_prompt_tokens)."""
     if not token_ids:
         raise InvalidRequestError(field, "is empty (no tokens)")
     if len(token_ids) >= model.max_model_len:
         raise InvalidRequestError(
-            field,
+            length_field or field,
             f"{len(token_ids)} tokens leave no room to generate "
             f"(the model's length is {model.max_model_len})",
         )

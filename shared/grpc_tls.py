@@ -173,10 +173,18 @@ def server_tls(args: argparse.Namespace) -> ServerTLS | None:
     return ServerTLS.from_options(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
 
 
-def add_client_arguments(parser: argparse.ArgumentParser, prefix: str, server: str) -> None:
-    """`{prefix}-ca-file`, `{prefix}-cert-file`, `{prefix}-key-file`, `{prefix}-server-name`."""
+def add_client_arguments(
+    parser: argparse.ArgumentParser, prefix: str, server: str, ca_default: str | None = None
+) -> None:
+    """`{prefix}-ca-file` (`ca_default`: what it defaults to, where something does),
+    `{prefix}-cert-file`, `{prefix}-key-file`, `{prefix}-server-name`."""
     add = parser.add_argument
-    add(f"{prefix}-ca-file", type=Path, help=f"reach {server} over TLS, trusting this PEM CA")
+    default = "" if ca_default is None else f" (default: {ca_default})"
+    add(
+        f"{prefix}-ca-file",
+        type=Path,
+        help=f"reach {server} over TLS, trusting this PEM CA{default}",
+    )
     add(f"{prefix}-cert-file", type=Path, help=f"mutual TLS: the certificate to show {server}")
     add(f"{prefix}-key-file", type=Path, help=f"the PEM private key of {prefix}-cert-file")
     add(

@@ -1,5 +1,6 @@
-"""DESIGN.md's dependency rules, checked on the code: every module's imports (read with `ast`,
-function-level ones included), and what importing a module really loads (a fresh Python).
+"""The project's dependency rules, checked on the code: every module's imports (read with
+`ast`, function-level ones included), and what importing a module really loads (a fresh
+Python).
 
 - `shared` imports neither service; the services never import each other.
 - Protobuf and gRPC stay at the edges: servicers, clients and their conversion functions.

@@ -66,3 +66,21 @@ def test_a_cpu_worker_s_budget_is_its_share_of_the_configured_or_default_one(
     ranks = EngineConfig(model="unused", kv_cache_memory_bytes=8 * GiB, tensor_parallel_size=2)
     assert sizing.cpu_worker_budget_bytes(ranks) == 4 * GiB
     assert sizing.cpu_worker_budget_bytes(EngineConfig(model="unused", num_kv_blocks=64)) is None
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/nonexistent/dir", "--model: /nonexistent/dir has no config.json"),
+        ("/nonexistent/model.gguf", "--model: no GGUF file at /nonexistent/model.gguf"),
+    ],
+)
+def test_a_model_that_is_not_there_is_a_usage_error_naming_the_flag(
+    model: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine_svc.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", model])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -416,6 +416,11 @@ def test_chat_messages_use_the_chat_template(services: Services, hf: tuple[Any, 
         ({"prompt": "a", "sampling_params": pb.SamplingParams(temperature=-1)},
          "sampling_params.temperature"),  # checked by the engine, named the same way
         ({"prompt": "word " * 1100}, "prompt"),
+        ({"prompt": "word " * 1100,  # cut to a length that still fills the model's 1024
+          "sampling_params": pb.SamplingParams(truncate_prompt_tokens=1024)},
+         "sampling_params.truncate_prompt_tokens"),
+        ({"prompt": "word " * 1100, "sampling_params": pb.SamplingParams(
+            truncate_prompt_tokens=2000)}, "prompt"),  # nothing cut: the prompt's length
         ({"prompt_token_ids": [5, 49152]}, "prompt_token_ids"),
         ({"messages": [pb.ChatMessage(role="", content="x")]}, "messages[0].role"),
         ({"prompt": "a", "sampling_params": pb.SamplingParams(logit_bias={49152: 1.0})},
