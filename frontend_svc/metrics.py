@@ -32,7 +32,9 @@ class FrontendMetrics:
     ) -> AsyncGenerator[GenerationUpdate, None]:
         """`updates`, timed as one request (its n choices together)."""
         if self._requests is None:  # the model is known once an engine has reported it
-            self._requests = RequestMetrics(self.registry, model.model_name, model.max_model_len)
+            self._requests = RequestMetrics(
+                self.registry, model.model_name, model.max_model_len, phases=False
+            )
         return _timed(self._requests.start_request(ENGINE_LABEL, num_prompt_tokens), updates)
 
 

@@ -37,23 +37,34 @@ class FinishedRequest:
     decode_time_s: float | None = None
 
 
-class RequestMetrics:
-    """The per-request metrics of one service, in its registry, for one served model."""
+PHASES = (catalog.REQUEST_QUEUE_TIME, catalog.REQUEST_PREFILL_TIME, catalog.REQUEST_DECODE_TIME)
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+
+class RequestMetrics:
+    """The per-request metrics of one service, in its registry, for one served model. With
+    `phases` False (a recorder outside the engines, which cannot see them) the queue,
+    prefill and decode histograms are not exported at all, rather than exported empty."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        max_model_len: int,
+        phases: bool = True,
+    ) -> None:
         self.model_name = model_name
         self._success = catalog.REQUEST_SUCCESS.counter(registry)
         histograms = {
             spec.name: spec.histogram(registry, max_model_len)
             for spec in catalog.REQUEST_METRICS
-            if spec.kind == catalog.Kind.HISTOGRAM
+            if spec.kind == catalog.Kind.HISTOGRAM and (phases or spec not in PHASES)
         }
         self._ttft = histograms[catalog.TIME_TO_FIRST_TOKEN.name]
         self._itl = histograms[catalog.INTER_TOKEN_LATENCY.name]
         self._e2e = histograms[catalog.E2E_REQUEST_LATENCY.name]
-        self._queue = histograms[catalog.REQUEST_QUEUE_TIME.name]
-        self._prefill = histograms[catalog.REQUEST_PREFILL_TIME.name]
-        self._decode = histograms[catalog.REQUEST_DECODE_TIME.name]
+        self._queue = histograms.get(catalog.REQUEST_QUEUE_TIME.name)
+        self._prefill = histograms.get(catalog.REQUEST_PREFILL_TIME.name)
+        self._decode = histograms.get(catalog.REQUEST_DECODE_TIME.name)
         self._prompt_tokens = histograms[catalog.REQUEST_PROMPT_TOKENS.name]
         self._generation_tokens = histograms[catalog.REQUEST_GENERATION_TOKENS.name]
 
@@ -85,9 +96,12 @@ class RequestMetrics:
         self._observe(self._prefill, engine, prefill_time_s)
         self._observe(self._decode, engine, decode_time_s)
 
-    def _observe(self, histogram: Histogram, engine: str, seconds: float | None) -> None:
-        if seconds is not None:
-            histogram.labels(self.model_name, engine).observe(max(seconds, 0.0))
+    def _observe(self, histogram: Histogram | None, engine: str, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        if histogram is None:
+            raise ValueError("these request metrics were made without the phases")
+        histogram.labels(self.model_name, engine).observe(max(seconds, 0.0))
 
     def start_request(
         self, engine: str, num_prompt_tokens: int, clock: Clock = time.monotonic

@@ -63,10 +63,14 @@ async def _load(address: str, requests: list[pb.GenerateRequest]) -> list[pb.Gen
         return list(await asyncio.gather(*(last(r) for r in requests)))
 
 
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
 def _totals(url: str) -> dict[str, float]:
     """Each sample name's sum over its series."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+    text = _scrape(url)
     totals: dict[str, float] = {"text": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -93,7 +97,9 @@ def test_each_client_request_is_counted_once_by_the_frontend(stack: Stack) -> No
     assert frontend["vllm:time_to_first_token_seconds_count"] == 5
     assert frontend["vllm:e2e_request_latency_seconds_count"] == 5
     assert frontend["vllm:request_generation_tokens_sum"] == completion_tokens
-    assert "vllm:request_queue_time_seconds_count" not in frontend  # only engines see it
+    exported = _scrape(stack.frontend.metrics_url)
+    for phase in ("queue", "prefill", "decode"):  # only engines see them: not even declared
+        assert f"vllm:request_{phase}_time_seconds" not in exported
     engine = _totals(stack.engine.metrics_url)
     assert engine["vllm:request_queue_time_seconds_count"] == 6  # one per choice
     assert engine["vllm:request_decode_time_seconds_count"] == 6

@@ -94,6 +94,18 @@ def test_the_request_timer_records_what_its_caller_sees() -> None:
     assert _sample(registry, "vllm:request_queue_time_seconds_count") is None
 
 
+def test_request_metrics_without_phases_do_not_declare_them() -> None:
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry, "m", max_model_len=2048, phases=False)
+    metrics.start_request("", num_prompt_tokens=3).finish("stop")
+    names = {family.name for family in registry.collect()}
+    assert "vllm:e2e_request_latency_seconds" in names
+    assert not names & {"vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                        "vllm:request_decode_time_seconds"}  # fmt: skip
+    with pytest.raises(ValueError, match="without the phases"):
+        metrics.observe_phases("", 0.1, None, None)
+
+
 # ---- the gRPC interceptor ------------------------------------------------------------------
 
 SERVICE = "test.v1.ProbeService"
