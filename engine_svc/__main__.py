@@ -202,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_default_model())
     from shared.model_store import resolve_model
 
+    if not Path(args.model).exists():
+        parser.error(f"--model: no such file or directory: {args.model}")
+    model_dir = str(resolve_model(args.model))  # a GGUF file: its converted directory
     try:
-        model_dir = str(resolve_model(args.model))  # a GGUF file: its converted directory
         spec = load_model_spec(model_dir)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:  # not a model directory, or not one we run
         parser.error(f"--model: {error}")
     try:
         config = engine_config(args, model_dir)

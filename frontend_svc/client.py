@@ -143,23 +143,24 @@ def generate(
     return print_unary(stub.Generate(request, timeout=args.timeout, metadata=metadata))
 
 
-def score(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
+def score(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> int:
     """Each prompt token after the first: its logprob and rank; then the total and the
-    perplexity over them."""
+    perplexity over them. Exit code 1 where the answer has none to score."""
     params = pb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = pb.GenerateRequest(prompt=args.prompt, sampling_params=params)
     response = stub.Generate(request, timeout=args.timeout, metadata=call_metadata(args.auth_token))
     entries = response.prompt_logprobs
     if not entries:
-        print("nothing to score: a prompt's first token has no logprob, and this prompt has "
-              "one token", file=sys.stderr)  # fmt: skip
-        return
+        print("nothing to score: the answer has no prompt logprobs (a prompt's first token "
+              "has none: is the prompt one token long?)", file=sys.stderr)  # fmt: skip
+        return 1
     for position, entry in enumerate(entries, start=1):
         token, logprob = entry.token_id, entry.logprob
         print(f"{position:6d} token {token:7d}  logprob {logprob:9.4f}  rank {entry.rank}")
     total = sum(entry.logprob for entry in entries)
     perplexity = math.exp(-total / len(entries))
     print(f"{len(entries)} tokens scored: total logprob {total:.4f}, perplexity {perplexity:.3f}")
+    return 0
 
 
 def chat(stub: frontend_pb2_grpc.GenerationServiceStub, args: argparse.Namespace) -> None:
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--score takes a prompt, not --chat")
     if args.score and args.n != 1:
         parser.error("--score scores the prompt once: no --n")
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        parser.error("--timeout must be a number of seconds above 0")
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
     try:
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.chat:
                 chat(stub, args)
             elif args.score:
-                score(stub, args)
+                return score(stub, args)
             else:
                 request = pb.GenerateRequest(
                     prompt=args.prompt, sampling_params=sampling_params(args)

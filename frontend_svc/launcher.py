@@ -145,7 +145,7 @@ def engine_token_flags(args: argparse.Namespace, folder: Path) -> tuple[list[str
 def client_hint(address: str, args: argparse.Namespace) -> str:
     """How to call the frontend with the command-line client, with this interpreter (the
     project's .venv under `make run`: a system Python lacks grpc)."""
-    hint = f"{python_command()} -m frontend_svc.client --address {address}"
+    hint = f"{sys.executable} -m frontend_svc.client --address {address}"
     if args.tls_cert_file is not None:
         hint += f" --tls-ca-file {args.probe_tls_ca_file}"
         if args.tls_client_ca_file is not None:
@@ -153,15 +153,6 @@ def client_hint(address: str, args: argparse.Namespace) -> str:
     if requires_tokens(args):
         hint += " --auth-token-file FILE"
     return hint
-
-
-def python_command() -> str:
-    """This interpreter's path, relative where it lies below the working directory."""
-    executable = Path(sys.executable)
-    try:
-        return str(executable.relative_to(Path.cwd()))
-    except ValueError:
-        return str(executable)
 
 
 def wait_serving(children: list[Child], stop: threading.Event, timeout_s: float) -> str | None:

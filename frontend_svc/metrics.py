@@ -41,8 +41,13 @@ class FrontendMetrics:
 async def _timed(
     timer: RequestTimer, updates: AsyncGenerator[GenerationUpdate, None]
 ) -> AsyncGenerator[GenerationUpdate, None]:
-    finish_reason = "abort"  # closed early: the client went away or its deadline passed
-    started, record = False, True
+    """`updates`, timed. The request ends as its first choice finished where the stream ran
+    to its end; else as an abort (the client went away, its deadline passed: gRPC cancelled
+    the call, or the engine call's own deadline raised TimeoutError, whichever came first;
+    and so with n > 1 where the first choice had finished and another had not), or an error.
+    A request refused before anything came back (overload, no engine) is not counted."""
+    finish_reason = "abort"
+    started, record, ended, failed = False, True, False, False
     try:
         async with contextlib.aclosing(updates):
             async for update in updates:
@@ -50,17 +55,15 @@ async def _timed(
                 timer.on_tokens(sum(len(choice.token_ids) for choice in update.choices))
                 finish_reason = _first_choice_finish(update) or finish_reason
                 yield update
+        ended = True
     except TimeoutError:
-        # The client's deadline passed, seen here first (the engine call's own deadline)
-        # rather than by gRPC cancelling the call: an abort either way.
         raise
     except Exception:
-        # Refused before anything came back (overload, no engine): not a request to count.
-        record, finish_reason = started, "error"
+        record, failed = started, True
         raise
     finally:
         if record:
-            timer.finish(finish_reason)
+            timer.finish(finish_reason if ended else "error" if failed else "abort")
 
 
 def _first_choice_finish(update: GenerationUpdate) -> str | None:

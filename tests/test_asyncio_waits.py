@@ -15,12 +15,23 @@ SERVICE_CODE = ("engine_svc", "frontend_svc", "shared")
 
 
 def _wait_for_calls(path: Path) -> list[int]:
+    """Lines that name asyncio's wait_for: `asyncio.wait_for` (or through another name for
+    the module) and `from asyncio import wait_for`."""
     tree = ast.parse(path.read_text(), str(path))
+    asyncio_names = {"asyncio"} | {
+        alias.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name == "asyncio" and alias.asname
+    }
     return [
         node.lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and node.attr == "wait_for"
-        and isinstance(node.value, ast.Name) and node.value.id == "asyncio"
+        if (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+            and isinstance(node.value, ast.Name) and node.value.id in asyncio_names)
+        or (isinstance(node, ast.ImportFrom) and node.module == "asyncio"
+            and any(alias.name == "wait_for" for alias in node.names))
     ]  # fmt: skip
 
 

@@ -3,7 +3,8 @@ starts the core in a fresh process twice, alternating, once with the collector a
 leaves it and once as the engine's process runs it (no collections during start-up, then the
 survivors frozen), and times the start (imports and the core's construction, with the
 model's load and warm-up) and a full collection after it: the pause a running engine takes
-whenever one falls due.
+whenever one falls due; and the process's peak resident memory by then (garbage that no
+collection frees during start-up stays until the one at its end).
 
     python -m engine_svc.bench gc --model DIR [--rounds 3] [--dtype bfloat16]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,15 +49,13 @@ def main(argv: list[str] | None = None) -> None:
 def _child(mode: str, model: str, dtype: Dtype) -> dict[str, Any]:
     command = [sys.executable, "-m", "engine_svc.bench", "gc", "--child", mode]
     completed = subprocess.run(
-        [*command, "--model", model, "--dtype", dtype],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
+        [*command, "--model", model, "--dtype", dtype], capture_output=True, text=True, timeout=600
     )
     answers = [line for line in completed.stdout.splitlines() if line.startswith(ANSWER_PREFIX)]
-    if not answers:
-        raise RuntimeError(f"no answer from {command}: {completed.stderr[-2000:]}")
+    if completed.returncode != 0 or not answers:
+        raise RuntimeError(
+            f"{command} exited {completed.returncode} with no answer: {completed.stderr[-2000:]}"
+        )
     result: dict[str, Any] = json.loads(answers[-1][len(ANSWER_PREFIX) :])
     return result
 
@@ -82,6 +82,8 @@ def _start_once(mode: str, model: str, dtype: Dtype) -> dict[str, Any]:
         "full_collection_ms": 1000 * pause_s,
         "tracked_objects": len(gc.get_objects()),
         "frozen_objects": gc.get_freeze_count(),
+        # What no collection during start-up costs in memory: the process's peak so far.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     core.shutdown()
     return result
@@ -96,5 +98,5 @@ def _describe(mode: str, runs: list[dict[str, Any]]) -> str:
         f"collector {label}: start {median('start_s'):.2f} s, "
         f"then a full collection {median('full_collection_ms'):.1f} ms over "
         f"{median('tracked_objects'):.0f} objects ({median('frozen_objects'):.0f} frozen); "
-        f"medians of {len(runs)}"
+        f"peak resident memory {median('peak_rss_mb'):.0f} MB; medians of {len(runs)}"
     )

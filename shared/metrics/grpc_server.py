@@ -92,29 +92,32 @@ def rpc_type(handler: grpc.RpcMethodHandler) -> str:
     return "unary"
 
 
-# A call that ends cancelled with less than this left before its deadline ended by the
+# A call cancelled with less than this left before its deadline was cancelled by the
 # deadline: the client's timer, started before the request left it, fires first, and its
 # cancel reaches the handler a little before the server's own timer does (about 7 ms before,
-# in two of four calls on 127.0.0.1 here).
-DEADLINE_SLACK_S = 0.25
+# in two of four calls on 127.0.0.1 here). A client's own cancel that close to its deadline
+# counts as the deadline too.
+DEADLINE_SLACK_S = 0.05
 
 
 def code_of(error: BaseException | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     """The status the call ends with: what the servicer set or aborted with, else OK for a
-    return; at the client's deadline DEADLINE_EXCEEDED, what the client sees, however the
-    handler ended (gRPC cancels it, or a servicer that saw the deadline at the same moment
-    fails to abort a call already over); CANCELLED for a call the client cancelled; UNKNOWN
-    for any other exception (as gRPC does)."""
+    return; at the client's deadline DEADLINE_EXCEEDED, what the client sees, whether gRPC
+    cancelled the handler or the handler failed after it (a servicer that saw the deadline
+    at the same moment cannot abort a call already over); CANCELLED for a call the client
+    cancelled; UNKNOWN for any other exception (as gRPC does)."""
     if error is None or isinstance(error, grpc.aio.AbortError):
         code = context.code()
         if isinstance(code, grpc.StatusCode):
             return code
         return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
     remaining = context.time_remaining()
-    if remaining is not None and remaining < DEADLINE_SLACK_S:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        if remaining is not None and remaining < DEADLINE_SLACK_S:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.UNKNOWN
 
 

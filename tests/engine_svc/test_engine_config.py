@@ -71,8 +71,9 @@ def test_a_cpu_worker_s_budget_is_its_share_of_the_configured_or_default_one(
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ("/nonexistent/dir", "--model: /nonexistent/dir has no config.json"),
-        ("/nonexistent/model.gguf", "--model: no GGUF file at /nonexistent/model.gguf"),
+        ("/nonexistent/dir", "--model: no such file or directory: /nonexistent/dir"),
+        ("/nonexistent/model.gguf", "--model: no such file or directory: /nonexistent/model.gguf"),
+        ("/", "--model: / has no config.json: not a Hugging Face model dir"),
     ],
 )
 def test_a_model_that_is_not_there_is_a_usage_error_naming_the_flag(
