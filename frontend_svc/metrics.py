@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.messages import GenerationUpdate, ModelInfo
+from shared.errors import DeadlinePassedError
 from shared.metrics.grpc_server import GrpcServerMetrics
 from shared.metrics.requests import RequestMetrics, RequestTimer
 
@@ -43,7 +44,7 @@ async def _timed(
 ) -> AsyncGenerator[GenerationUpdate, None]:
     """`updates`, timed. The request ends as its first choice finished where the stream ran
     to its end; else as an abort (the client went away, its deadline passed: gRPC cancelled
-    the call, or the engine call's own deadline raised TimeoutError, whichever came first;
+    the call, or the engine call's own deadline raised DeadlinePassedError, whichever came first;
     and so with n > 1 where the first choice had finished and another had not), or an error.
     A request refused before anything came back (overload, no engine) is not counted."""
     finish_reason = "abort"
@@ -56,7 +57,7 @@ async def _timed(
                 finish_reason = _first_choice_finish(update) or finish_reason
                 yield update
         ended = True
-    except TimeoutError:
+    except DeadlinePassedError:
         raise
     except Exception:
         record, failed = started, True

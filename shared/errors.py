@@ -34,6 +34,15 @@ class EngineUnavailableError(RuntimeError):
     """The engine takes no new work right now: still starting, or draining (UNAVAILABLE)."""
 
 
+class DeadlinePassedError(TimeoutError):
+    """The client's deadline passed before the request finished (DEADLINE_EXCEEDED): seen
+    by the service itself (a timer on the request, an engine call's own deadline) rather than
+    by gRPC cancelling the call. An abort of the client's, not a fault."""
+
+    def __init__(self, message: str = "the deadline passed") -> None:
+        super().__init__(message)
+
+
 class StreamStalledError(RuntimeError):
     """A client stopped reading its stream: the last response could not be written for the
     server's stall bound, so the call was dropped (RESOURCE_EXHAUSTED, no retry hint)."""

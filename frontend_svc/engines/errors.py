@@ -8,6 +8,7 @@ import dataclasses
 import grpc
 
 from shared.errors import (
+    DeadlinePassedError,
     EngineDeadError,
     EngineOverloadedError,
     EngineUnavailableError,
@@ -48,7 +49,7 @@ def classify_status(
         field = _CLIENT_FIELDS.get(field, field)
         return EngineCallError(InvalidRequestError(field, message or details), False)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return EngineCallError(TimeoutError("the deadline passed"), False)
+        return EngineCallError(DeadlinePassedError(), False)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not has_output:
         return EngineCallError(EngineOverloadedError(f"engine {address}: {details}"), True)
     if code in _ENGINE_TROUBLE or code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from shared.errors import MessageTooLargeError
+from shared.errors import DeadlinePassedError, MessageTooLargeError
 from shared.protos import (
     GENERATE_MANY_MAX_MESSAGE_BYTES,
     GENERATE_MANY_READY,
@@ -119,7 +119,7 @@ class MultiplexedRequest:
     def _expire(self) -> None:
         if not self.ended:
             self.mux.abort(self)
-            self._items.put_nowait(TimeoutError("the deadline passed"))
+            self._items.put_nowait(DeadlinePassedError())
 
 
 class Multiplexer:

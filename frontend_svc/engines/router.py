@@ -30,7 +30,7 @@ from frontend_svc.engines.multiplexer import (
 )
 from frontend_svc.engines.pool import EnginePool
 from frontend_svc.messages import EngineOutput, EngineRequest, FinishReason
-from shared.errors import EngineUnavailableError, RequestFailedError
+from shared.errors import DeadlinePassedError, EngineUnavailableError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def _time_left(deadline: float | None) -> float | None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError("the deadline passed")
+        raise DeadlinePassedError()
     return left
 
 

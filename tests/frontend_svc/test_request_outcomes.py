@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from frontend_svc.messages import ChoiceDelta, FinishReason, GenerationUpdate, ModelInfo
 from frontend_svc.metrics import FrontendMetrics
+from shared.errors import DeadlinePassedError
 
 MODEL = ModelInfo(model_name="m", max_model_len=64, vocab_size=100, eos_token_ids=(2,))
 
@@ -55,7 +56,7 @@ def _outcomes(
 
 @pytest.mark.parametrize("tokens", [0, 2])
 def test_a_passed_deadline_is_an_abort_before_or_after_the_first_token(tokens: int) -> None:
-    assert _outcomes(tokens, TimeoutError("the deadline passed")) == {"abort": 1.0}
+    assert _outcomes(tokens, DeadlinePassedError()) == {"abort": 1.0}
 
 
 def test_a_cancelled_call_is_an_abort() -> None:
@@ -70,6 +71,10 @@ def test_a_failure_after_the_first_token_is_an_error_and_before_it_not_a_request
 def test_the_first_choices_finish_counts_only_where_the_stream_ran_to_its_end() -> None:
     assert _outcomes(1, None, first_finishes=True) == {"stop": 1.0}
     # n = 2: choice 0 stopped, then the deadline passed (or the client left) before choice 1.
-    assert _outcomes(1, TimeoutError("the deadline passed"), first_finishes=True) == {"abort": 1.0}
+    assert _outcomes(1, DeadlinePassedError(), first_finishes=True) == {"abort": 1.0}
     assert _outcomes(1, asyncio.CancelledError(), first_finishes=True) == {"abort": 1.0}
     assert _outcomes(1, RuntimeError("engine failed"), first_finishes=True) == {"error": 1.0}
+
+
+def test_a_timeout_that_is_not_the_clients_deadline_is_an_error() -> None:
+    assert _outcomes(2, TimeoutError("a lock took too long")) == {"error": 1.0}
