@@ -211,3 +211,26 @@ def test_flush_cache_waits_for_idle(stub: vllm_engine_pb2_grpc.VllmEngineStub) -
     # With a timeout it retries while other tests' aborted requests still hold KV blocks.
     flushed = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=20)
     assert flushed.success, flushed.message
+
+
+def test_what_a_text_engine_does_not_serve_is_unimplemented_saying_why(
+    engine: ServiceProcess, stub: vllm_engine_pb2_grpc.VllmEngineStub
+) -> None:
+    calls = {
+        "Embed": lambda: stub.Embed(vpb.EmbedRequest(), timeout=5),
+        "StartProfile": lambda: stub.StartProfile(common_pb2.StartProfileRequest(), timeout=5),
+        "StopProfile": lambda: stub.StopProfile(common_pb2.StopProfileRequest(), timeout=5),
+        "SubscribeKvEvents": lambda: list(
+            stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=5)
+        ),
+    }
+    for method, call in calls.items():
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+        assert (caught.value.details() or "").startswith(f"{method}: this engine "), method
+        counted = engine.metric_total_reaching(  # smg's tests on this engine subscribe too
+            "grpc_server_handled_total", 1, grpc_method=method, grpc_code="Unimplemented"
+        )
+        assert counted >= 1, method
+    assert "NotImplementedError" not in engine.log_path.read_text()

@@ -1,6 +1,8 @@
 """vllm.grpc.engine.VllmEngine over the engine client: each method converts, delegates and
 converts back; shared.grpc_errors maps every exception to its status code. Embed, profiling
-and KV-event subscriptions are left UNIMPLEMENTED (a generative, text-only engine)."""
+and KV-event subscriptions answer UNIMPLEMENTED saying why (a generative, text-only engine),
+as a status of ours: the generated base class raised NotImplementedError, which gRPC logged
+as an error with its traceback at every call (smg subscribes to KV events as it connects)."""
 
 from __future__ import annotations
 
@@ -116,6 +118,30 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for data, digest in archive_chunks(archive):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=digest)
 
+    async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
+        await _unimplemented(context, "Embed: this engine generates text; it serves no embeddings")
+        raise AssertionError("not reached: abort raises")
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await _unimplemented(context, "StartProfile: this engine has no profiler to start")
+        raise AssertionError("not reached: abort raises")
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await _unimplemented(context, "StopProfile: this engine has no profiler to stop")
+        raise AssertionError("not reached: abort raises")
+
+    async def SubscribeKvEvents(  # type: ignore[override]
+        self, request: common_pb2.SubscribeKvEventsRequest, context: Context
+    ) -> None:
+        """A server stream that ends at once (a coroutine: gRPC takes one as a stream)."""
+        await _unimplemented(
+            context, "SubscribeKvEvents: this engine publishes no KV-cache events; poll GetLoads"
+        )
+
     @unary_errors
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: Context
@@ -128,3 +154,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 return common_pb2.FlushCacheResponse(success=False, message=message)
             await asyncio.sleep(FLUSH_RETRY_S)
         return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
+
+
+async def _unimplemented(context: Context, message: str) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
