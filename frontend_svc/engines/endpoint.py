@@ -22,6 +22,11 @@ from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# An engine's answers to a frontend whose credentials it does not take (a missing or revoked
+# token): configuration to fix, not an engine down; its health watch, open to all, cannot
+# tell, so the authenticated load poll does.
+REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
 MAX_MESSAGE_BYTES = 16 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -59,6 +64,9 @@ class EngineEndpoint:
         self._open_channel(None if self._tls_files is None else self._tls_files.current)
         self.is_serving = False
         self.suspended_until = 0.0
+        # Why the engine refuses this frontend's calls (its token or certificate), while it
+        # does: out of service meanwhile, though its health (open to all) says SERVING.
+        self.refused: str | None = None
         self.model_info: ModelInfo | None = None
         self.reported_load: EngineLoad | None = None
         self.num_in_flight = 0  # this frontend's engine calls on it
@@ -128,7 +136,7 @@ class EngineEndpoint:
 
     @property
     def is_available(self) -> bool:
-        return self.is_serving and time.monotonic() >= self.suspended_until
+        return self.is_serving and self.refused is None and time.monotonic() >= self.suspended_until
 
     @property
     def load_score(self) -> float:
@@ -171,9 +179,11 @@ class EngineEndpoint:
                                 engine_pb2.GetModelInfoRequest(), timeout=self.poll_interval_s * 4
                             )
                         )
+                        self._set_refused(None)
                     self._set_serving(serving)
             except grpc.aio.AioRpcError as error:
-                logger.debug("health watch on %s: %s", self.address, error.code().name)
+                if not self._note_refusal(error):
+                    logger.debug("health watch on %s: %s", self.address, error.code().name)
             self._set_serving(False)
             await asyncio.sleep(self.poll_interval_s)
 
@@ -204,9 +214,33 @@ class EngineEndpoint:
                         engine_pb2.GetLoadsRequest(), timeout=self.poll_interval_s * 4
                     )
                     self.reported_load = to_engine_load(response)
-                except grpc.aio.AioRpcError:
+                    self._set_refused(None)
+                except grpc.aio.AioRpcError as error:
                     self.reported_load = None
+                    self._note_refusal(error)
             await asyncio.sleep(self.poll_interval_s)
+
+    def _note_refusal(self, error: grpc.aio.AioRpcError) -> bool:
+        """Whether `error` is the engine refusing this frontend (noted, and logged once)."""
+        if error.code() not in REFUSALS:
+            return False
+        self._set_refused(f"{error.code().name}: {error.details()}")
+        return True
+
+    def _set_refused(self, refused: str | None) -> None:
+        if refused == self.refused:
+            return
+        if refused is not None:
+            logger.warning(
+                "engine %s refuses this frontend's calls (check --engine-auth-token-file and "
+                "the TLS files): %s",
+                self.address,
+                refused,
+            )
+        elif self.is_serving:
+            logger.info("engine %s accepts this frontend's calls again", self.address)
+        self.refused = refused
+        self.on_change()
 
     def _set_serving(self, serving: bool) -> None:
         if serving:

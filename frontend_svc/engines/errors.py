@@ -22,6 +22,10 @@ _ENGINE_TROUBLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,  # cancelled by the engine's side: it is shutting down
     grpc.StatusCode.ABORTED,
+    # The engine refuses this frontend's token or certificate: the client's request is
+    # fine, and another engine may take it (UNAVAILABLE to the client, not INTERNAL).
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # engine.v1 fields the frontend fills from one of the client's that has another name.
@@ -52,6 +56,8 @@ def classify_status(
         return EngineCallError(DeadlinePassedError(), False)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not has_output:
         return EngineCallError(EngineOverloadedError(f"engine {address}: {details}"), True)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        details = f"it refuses this frontend's credentials ({code.name}: {details})"
     if code in _ENGINE_TROUBLE or code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if has_output:
             return EngineCallError(engine_failed_mid_request(address, details), False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from frontend_svc.engines.router import SUSPEND_AFTER_FAILURE_S
 from shared.frontend_protos import frontend_pb2 as fpb
 from shared.frontend_protos import frontend_pb2_grpc
 from shared.protos import engine_pb2 as epb
@@ -23,6 +25,7 @@ from shared.protos import engine_pb2_grpc
 from tests.frontend_svc.frontend_helpers import greedy
 from tests.interop.test_grpcurl import grpcurl
 from tests.service_processes import (
+    NOT_SERVING,
     REPO_ROOT,
     SERVING,
     FrontendProcess,
@@ -128,6 +131,56 @@ def _rewrite(path: Path, text: str) -> None:
     fresh = path.with_suffix(".new")
     fresh.write_text(text)
     fresh.replace(path)
+
+
+def _wait_health(process: ServiceProcess, status: int, timeout_s: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while process.health() != status and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process.health()
+
+
+def test_an_engine_refusing_the_frontends_token_is_taken_out_until_it_takes_it(
+    secured: Secured,
+) -> None:
+    """A token rotation done in the wrong order: the engine drops the frontend's token.
+    Its health (open to all) still says SERVING; the frontend's authenticated load poll
+    sees the refusal, says why in its log, and stops serving; clients get UNAVAILABLE,
+    never INTERNAL. Once the engine takes the token again, the frontend serves again."""
+    address = secured.frontend.address
+    refusal = f"engine {secured.engine.address} refuses this frontend's calls"
+    try:
+        _rewrite(secured.engine_tokens, "engine-rotated-away\n")
+        assert _generate(address, "alpha") == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 15
+        while refusal not in secured.frontend.log_path.read_text():
+            assert time.monotonic() < deadline, secured.frontend.log()
+            time.sleep(0.1)
+        assert secured.frontend.health() == NOT_SERVING
+        assert secured.engine.health() == SERVING
+        # Out for the refusal, not for the failed call's suspension, which ends by now.
+        time.sleep(SUSPEND_AFTER_FAILURE_S + 1.0)
+        assert secured.frontend.health() == NOT_SERVING
+        assert _generate(address, "alpha") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        _rewrite(secured.engine_tokens, "engine-old\nengine-token\n")
+    assert _wait_health(secured.frontend, SERVING) == SERVING
+    assert _generate(address, "alpha") == grpc.StatusCode.OK
+
+
+def test_a_frontend_without_the_engines_token_says_so_and_gives_up_at_its_timeout(
+    secured: Secured, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "frontend.log"
+    frontend = FrontendProcess([secured.engine.address], log_path, "--startup-timeout", "3")
+    try:
+        assert frontend.wait_exit(timeout_s=60) == 1
+    finally:
+        frontend.stop()
+    log = log_path.read_text()
+    refusal = f"engine {secured.engine.address} refuses this frontend's calls"
+    assert log.count(refusal) == 1 and "UNAUTHENTICATED" in log  # said once, not every poll
+    assert "no tokenizer within 3 s" in log
 
 
 def test_the_engine_refuses_calls_without_its_token(secured: Secured) -> None:

@@ -23,7 +23,7 @@ class FakeEndpoint(EngineEndpoint):
 
     def __init__(self, address: str, on_change: Callable[[], None]) -> None:
         self.address, self.on_change = address, on_change
-        self.is_serving, self.suspended_until = True, 0.0
+        self.is_serving, self.suspended_until, self.refused = True, 0.0, None
         self.model_info, self.reported_load = None, None
         self.num_in_flight = self.num_picked = 0
         self.closed = False
@@ -74,6 +74,9 @@ def test_unhealthy_suspended_and_excluded_engines_are_skipped() -> None:
         pool.pick(exclude=["c:1"])
     pool.endpoints["a:1"].is_serving = True
     assert pool.pick(exclude=["c:1"]).address == "a:1"
+    pool.endpoints["a:1"].refused = "UNAUTHENTICATED: a valid bearer token is required"
+    with pytest.raises(EngineUnavailableError):  # serving, but not to this frontend
+        pool.pick(exclude=["c:1"])
 
 
 def test_admission_refuses_when_the_queue_is_full_or_no_engine_serves() -> None:
