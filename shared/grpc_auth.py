@@ -169,9 +169,14 @@ def server_interceptors(
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
-    """The token of the call's `authorization: Bearer TOKEN` metadata, or ""."""
+    """The token of the call's `authorization: Bearer TOKEN` metadata, or "". The scheme's
+    name in any case, as HTTP's authentication schemes are (RFC 9110, 11.1)."""
     for key, value in metadata or ():
-        if key == AUTHORIZATION and isinstance(value, str) and value.startswith(BEARER):
+        if (
+            key == AUTHORIZATION
+            and isinstance(value, str)
+            and value[: len(BEARER)].lower() == BEARER.lower()
+        ):
             return value[len(BEARER) :].strip()
     return ""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine_svc.control_messages import EngineInfo
@@ -84,13 +84,16 @@ def _constraint_options(params: pb.SamplingParams) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def proto_field_names() -> Iterator[None]:
+def proto_field_names(renames: Mapping[str, str] | None = None) -> Iterator[None]:
     """The engine names sampling fields bare (`max_tokens`); a gRPC client knows them as
-    `sampling_params.max_tokens`."""
+    `sampling_params.max_tokens`. `renames`: other engine fields a contract names its own way
+    (vLLM's `tokenized.input_ids` for `prompt_token_ids`)."""
     try:
         yield
     except InvalidRequestError as error:
         renamed = proto_named(error)
+        if renames and error.field in renames:
+            renamed = InvalidRequestError(renames[error.field], error.message)
         if renamed is not error:
             raise renamed from error
         raise

@@ -190,6 +190,17 @@ def test_get_tokenizer_sends_a_verifiable_archive(
     assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(archive)).namelist()
 
 
+def test_a_token_id_out_of_the_vocabulary_is_named_as_the_contract_names_it(
+    stub: vllm_engine_pb2_grpc.VllmEngineStub,
+) -> None:
+    request = generate_request("oov", 8, True)
+    request.tokenized.input_ids.append(49152)  # the vocabulary is 49,152 ids: one past it
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(request, timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("tokenized.input_ids:"), caught.value.details()
+
+
 @pytest.mark.parametrize(
     ("sampling", "field"),
     [

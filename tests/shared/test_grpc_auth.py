@@ -78,6 +78,8 @@ def test_client_and_server_agree_on_the_metadata(tmp_path: Path) -> None:
     assert call_metadata("") == ()
     assert bearer_token(call_metadata(token)) == "s3cret"
     assert bearer_token([("authorization", "Basic s3cret")]) == ""
+    for scheme in ("bearer", "BEARER", "beARer"):  # a scheme's name is case-insensitive
+        assert bearer_token([("authorization", f"{scheme} s3cret")]) == "s3cret"
     assert bearer_token(None) == ""
 
 

@@ -27,6 +27,8 @@ from shared.errors import EngineDeadError, EngineUnavailableError
 from shared.grpc_errors import DEFAULT_STREAM_WRITE_TIMEOUT_S, stream_errors, unary_errors
 
 Context: TypeAlias = grpc.aio.ServicerContext
+# Engine fields vLLM's contract names its own way, for INVALID_ARGUMENT's field.
+VLLM_FIELDS = {"prompt_token_ids": "tokenized.input_ids"}
 FLUSH_RETRY_S = 0.05  # FlushCache with a timeout: how often to retry while blocks are in use
 
 
@@ -59,7 +61,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         outputs = merged_outputs(self.client.generate, children)
         try:
             async with contextlib.aclosing(outputs):
-                with proto_field_names():
+                with proto_field_names(VLLM_FIELDS):
                     async for index, output in outputs:
                         for response in sequences[index].on_output(output):
                             yield response
