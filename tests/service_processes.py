@@ -187,10 +187,16 @@ class ServiceProcess:
         """The engine's own count of tokens it generated (vllm:generation_tokens_total)."""
         return int(self.metric_total("vllm:generation_tokens_total"))
 
+    def wait_health(self, status: int, timeout_s: float = 15.0) -> int:
+        """The service's health once it reports `status`, or at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while self.health() != status and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.health()
+
     def metric_total(self, name: str, **labels: str) -> float:
         """The sum of the service's samples named `name` with these label values."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
+        text = scrape_metrics(self.metrics_url)
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)
@@ -451,6 +457,12 @@ async def consume(stub: engine_pb2_grpc.EngineCoreServiceStub, request: pb.Gener
     finally:
         result.ended_at = time.monotonic()
     return result
+
+
+def scrape_metrics(url: str) -> str:
+    """A /metrics endpoint's exposition text."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
 
 
 def frozen_at_start(log_path: Path, what: str) -> int:

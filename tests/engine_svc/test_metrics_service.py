@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.service_processes import (
     engine_stub,
     generate_request,
     run_async,
+    scrape_metrics,
     start_service,
 )
 from tests.shared.metrics_helpers import promtool_problems
@@ -68,11 +68,6 @@ async def _load(address: str, num_waves: int, min_duration_s: float = 0.0) -> li
     return results
 
 
-def _scrape(service: ServiceProcess) -> str:
-    with urllib.request.urlopen(service.metrics_url, timeout=10) as response:
-        return str(response.read().decode())
-
-
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
     for family in text_string_to_metric_families(text):
@@ -106,7 +101,7 @@ def test_every_request_and_token_is_accounted_for(service: ServiceProcess) -> No
     service.metric_total_reaching(
         "grpc_server_handled_total", len(results), grpc_method="Generate", grpc_code="OK"
     )
-    text = _scrape(service)
+    text = scrape_metrics(service.metrics_url)
     samples = _samples(text)
     for spec in catalog.ALL_METRICS:
         assert samples[spec.series_names[0]], f"{spec.name} has no series"
@@ -139,7 +134,7 @@ def test_every_request_and_token_is_accounted_for(service: ServiceProcess) -> No
 def test_the_service_process_reports_its_memory_cpu_and_collections(
     service: ServiceProcess,
 ) -> None:
-    samples = _samples(_scrape(service))
+    samples = _samples(scrape_metrics(service.metrics_url))
     assert _total(samples, "process_resident_memory_bytes") > 10e6
     assert _total(samples, "process_cpu_seconds_total") > 0
     assert 0 < time.time() - _total(samples, "process_start_time_seconds") < 3600

@@ -133,13 +133,6 @@ def _rewrite(path: Path, text: str) -> None:
     fresh.replace(path)
 
 
-def _wait_health(process: ServiceProcess, status: int, timeout_s: float = 15.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while process.health() != status and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return process.health()
-
-
 def test_an_engine_refusing_the_frontends_token_is_taken_out_until_it_takes_it(
     secured: Secured,
 ) -> None:
@@ -164,7 +157,7 @@ def test_an_engine_refusing_the_frontends_token_is_taken_out_until_it_takes_it(
         assert _generate(address, "alpha") == grpc.StatusCode.UNAVAILABLE
     finally:
         _rewrite(secured.engine_tokens, "engine-old\nengine-token\n")
-    assert _wait_health(secured.frontend, SERVING) == SERVING
+    assert secured.frontend.wait_health(SERVING) == SERVING
     assert _generate(address, "alpha") == grpc.StatusCode.OK
 
 

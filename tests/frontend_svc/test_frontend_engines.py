@@ -108,10 +108,7 @@ def test_with_no_engine_left_the_frontend_is_not_serving_and_unavailable(
 ) -> None:
     for engine in cluster.engines:
         engine.stop()
-    deadline = time.monotonic() + 10
-    while cluster.frontend.health() == SERVING and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert cluster.frontend.health() == NOT_SERVING
+    assert cluster.frontend.wait_health(NOT_SERVING, timeout_s=10) == NOT_SERVING
     with grpc.insecure_channel(cluster.frontend.address) as channel:
         request = pb.GenerateRequest(prompt="anyone?", sampling_params=greedy(4))
         with pytest.raises(grpc.RpcError) as caught:

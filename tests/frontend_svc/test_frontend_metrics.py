@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.frontend_protos import frontend_pb2 as pb
 from tests.frontend_svc.frontend_helpers import frontend_stub, greedy
-from tests.service_processes import FrontendProcess, ServiceProcess, run_async, wait_all_serving
+from tests.service_processes import (
+    FrontendProcess,
+    ServiceProcess,
+    run_async,
+    scrape_metrics,
+    wait_all_serving,
+)
 from tests.shared.metrics_helpers import promtool_problems
 from tests.shared.prometheus_server import PrometheusServer
 
@@ -63,14 +68,9 @@ async def _load(address: str, requests: list[pb.GenerateRequest]) -> list[pb.Gen
         return list(await asyncio.gather(*(last(r) for r in requests)))
 
 
-def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return str(response.read().decode())
-
-
 def _totals(url: str) -> dict[str, float]:
     """Each sample name's sum over its series."""
-    text = _scrape(url)
+    text = scrape_metrics(url)
     totals: dict[str, float] = {"text": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -97,7 +97,7 @@ def test_each_client_request_is_counted_once_by_the_frontend(stack: Stack) -> No
     assert frontend["vllm:time_to_first_token_seconds_count"] == 5
     assert frontend["vllm:e2e_request_latency_seconds_count"] == 5
     assert frontend["vllm:request_generation_tokens_sum"] == completion_tokens
-    exported = _scrape(stack.frontend.metrics_url)
+    exported = scrape_metrics(stack.frontend.metrics_url)
     for phase in ("queue", "prefill", "decode"):  # only engines see them: not even declared
         assert f"vllm:request_{phase}_time_seconds" not in exported
     engine = _totals(stack.engine.metrics_url)

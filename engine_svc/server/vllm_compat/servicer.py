@@ -11,7 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
@@ -122,19 +122,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
         await _unimplemented(context, "Embed: this engine generates text; it serves no embeddings")
-        raise AssertionError("not reached: abort raises")
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
         await _unimplemented(context, "StartProfile: this engine has no profiler to start")
-        raise AssertionError("not reached: abort raises")
 
     async def StopProfile(
         self, request: common_pb2.StopProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
         await _unimplemented(context, "StopProfile: this engine has no profiler to stop")
-        raise AssertionError("not reached: abort raises")
 
     async def SubscribeKvEvents(  # type: ignore[override]
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
@@ -158,5 +155,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
 
 
-async def _unimplemented(context: Context, message: str) -> None:
+async def _unimplemented(context: Context, message: str) -> NoReturn:
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+    raise AssertionError("not reached: abort raises")
