@@ -222,9 +222,9 @@ def test_an_untied_head_in_nn_linear_layout_is_packed_in_place_of_its_weight() -
 
 @pytest.mark.parametrize("vectors", [2, 3, 4])
 def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(vectors: int) -> None:
-    """A lone request's decode step (one row: the register tile on AVX-512, a GEMV elsewhere)
-    sums in the order a batch's rows are summed in (the tile, or brgemm), so a greedy request
-    picks the same tokens alone as beside others."""
+    """A lone request's decode step (one row: a GEMV on AVX-512 and AVX2) sums in the order a
+    batch's rows are summed in (the register tile, or brgemm), so a greedy request picks the
+    same tokens alone as beside others."""
     weight, bias = _weights(200, 576)
     packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
     batch = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
@@ -233,6 +233,22 @@ def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(vectors: int) -> None:
         for row in range(5):
             alone = torch.ops.duoserve.packed_linear(batch[row : row + 1], packed, 200, with_bias)
             assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("vectors", [2, 3, 4])
+def test_rows_get_the_same_bits_through_the_gemv_the_tile_and_brgemm(vectors: int) -> None:
+    """140 rows go through brgemm (past the register tile's 128 on AVX-512, past the GEMV's 8
+    on AVX2); their slices through the GEMV (1-2 rows on AVX-512) and the tile (3-128): each
+    sums a row in k order from zero and adds the bias last, so a request's tokens do not
+    depend on how many others share its step."""
+    weight, bias = _weights(200, 576)
+    packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
+    batch = torch.randn(140, 576, generator=torch.Generator().manual_seed(4))
+    for with_bias in (None, bias):
+        together = torch.ops.duoserve.packed_linear(batch, packed, 200, with_bias)
+        for rows in (1, 2, 3, 8, 9, 64, 128):
+            part = torch.ops.duoserve.packed_linear(batch[:rows], packed, 200, with_bias)
+            assert torch.equal(part, together[:rows]), rows
 
 
 @pytest.mark.parametrize("vectors", [2, 3, 4])

@@ -12,6 +12,8 @@ namespace duoserve {
 
 // C[rows x cols] = A[rows x K] . panel[K x kLanes * kVecs] (+ bias), with kRows x kVecs
 // accumulators in registers. `prefetch` lines of the next panel are requested over the loop.
+// Each sum runs in k order from zero and the bias comes last, as brgemm and the GEMV
+// (panel_gemv.h) sum a row: a row gets the same bits whichever of the three takes its step.
 template <int kRows, int kVecs>
 void register_tile(const float* __restrict a, int64_t lda, const float* __restrict panel,
                    int64_t k, const float* __restrict bias, float* __restrict c, int64_t ldc,
@@ -20,8 +22,7 @@ void register_tile(const float* __restrict a, int64_t lda, const float* __restri
   vreg acc[kRows][kVecs];
   for (int v = 0; v < kVecs; ++v) {
     lanes[v] = std::clamp<int64_t>(cols - kLanes * v, 0, kLanes);
-    const vreg init = bias != nullptr ? fvec::loadu(bias + kLanes * v, lanes[v]) : fvec(0.0f);
-    for (int r = 0; r < kRows; ++r) acc[r][v] = init;
+    for (int r = 0; r < kRows; ++r) acc[r][v] = fvec(0.0f);
   }
   const int64_t per_step = (prefetch + k - 1) / k;
   for (int64_t kk = 0; kk < k; ++kk) {
@@ -36,7 +37,12 @@ void register_tile(const float* __restrict a, int64_t lda, const float* __restri
     }
   }
   for (int v = 0; v < kVecs; ++v) {
-    for (int r = 0; r < kRows; ++r) fvec(acc[r][v]).store(c + r * ldc + kLanes * v, lanes[v]);
+    const fvec add = bias != nullptr ? fvec::loadu(bias + kLanes * v, lanes[v]) : fvec(0.0f);
+    for (int r = 0; r < kRows; ++r) {
+      fvec sum = fvec(acc[r][v]);
+      if (bias != nullptr) sum = sum + add;
+      sum.store(c + r * ldc + kLanes * v, lanes[v]);
+    }
   }
 }
 

@@ -6,13 +6,14 @@
 // [ceil(N / block), K, block] (the last block zero-padded), so each block is one contiguous
 // K x block panel, read as is. Threads split the column blocks.
 //
-// On AVX-512, up to 128 rows (decode steps), a register-tile kernel of our own (gemm_tile.h,
+// On AVX-512, 3 to 128 rows (decode steps), a register-tile kernel of our own (gemm_tile.h,
 // one source for AVX-512, AVX2 and NEON) computes a panel while it prefetches the thread's
 // next panel into L2, spread over its loop: the weights stream from memory at every step, and
 // oneDNN's brgemm, which does not prefetch, stalled on each panel's first pass there. More
-// rows (prefill), and from two rows on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
+// rows (prefill), and from 9 rows on AVX2, brgemm (oneDNN's batch-reduce GEMM kernel,
 // through ATen's cpublas) over row tiles of 256, which keep the activations in cache while a
-// thread sweeps its blocks; up to 8 rows there, a GEMV of our own (panel_gemv.h). Measured
+// thread sweeps its blocks. Up to 8 rows on AVX2 and 2 on AVX-512, a GEMV of our own
+// (panel_gemv.h) that streams several panels at once (kMaxGemvRows). Measured
 // with SmolLM2-135M's shapes, 30 layers and the LM head with weights streaming from memory,
 // on the 2-core machines this project runs on:
 // - Intel Xeon, AVX-512: MKL 97-108 ms at 64 rows, brgemm 75-90, the register tile 69-76
@@ -22,9 +23,10 @@
 //   Its hardware prefetchers keep brgemm fed; the tile (12 accumulators in 16 registers)
 //   is the slower of the two at every row count there.
 // - AMD EPYC (Zen 4), one row: the 120 decoder projections stream their weights at 25.5 GB/s
-//   against 31-32 for one 512 MB weight (the shorter the call, the slower: qkv and o 21-24).
-//   Each thread requesting its first panel of the next call into L2 during its last panel of
-//   this one measured no faster (0.97-1.03x, four alternating rounds).
+//   through the tile against 31-32 for one 512 MB weight (the shorter the call, the slower:
+//   qkv and o 21-24). Each thread requesting its first panel of the next call into L2 during
+//   its last panel of this one measured no faster (0.97-1.03x, four alternating rounds). The
+//   GEMV's four panels side by side were: see kMaxGemvRows.
 //
 // The sums run in another order than MKL's, so results differ from torch's by float
 // rounding (relative 1e-6), as two BLAS libraries do.
@@ -60,14 +62,23 @@ constexpr int64_t kMaxRegisterTileRows = 128;
 #else
 constexpr int64_t kMaxRegisterTileRows = 0;
 #endif
-// Up to kMaxGemvRows rows on AVX2 (a decode step of a few requests): a GEMV of our own
-// (panel_gemv.h), summing in brgemm's order with FMA. brgemm paid a fixed set-up per panel
-// call that a GEMV's streaming does not hide: on the Zen 3, SmolLM2's 120 decoder projections
-// at 2 rows took 13.0-16.3 ms here against 18.7-21.2 through brgemm, at 6 rows 18.9-21.6
-// against 22.3-24.7, at 8 alike (23.1-23.8 against 23.6-26.0), and at 12 brgemm was faster
-// (three alternating rounds in one process). The plain-C++ level has no FMA instruction to
-// match brgemm's sums with, and keeps brgemm (no rows through the GEMV).
-#if defined(CPU_CAPABILITY_AVX2)
+// Up to kMaxGemvRows rows (a decode step of a few requests): a GEMV of our own (panel_gemv.h),
+// summing in brgemm's order with FMA, as the tile does. On AVX2 brgemm paid a fixed set-up
+// per panel call that a GEMV's streaming does not hide: on the Zen 3, SmolLM2's 120 decoder
+// projections at 2 rows took 13.0-16.3 ms here against 18.7-21.2 through brgemm, at 6 rows
+// 18.9-21.6 against 22.3-24.7, at 8 alike (23.1-23.8 against 23.6-26.0), and at 12 brgemm was
+// faster (three alternating rounds in one process). On AVX-512 the GEMV reads four panels side
+// by side (one pass for up to two rows) where the tile reads one and prefetches the next: on
+// the Zen 4, greedy requests decoding together in one process, alternating the two paths
+// round by round (128 tokens a round), took 0.78-0.99x the tile's time a token alone (three
+// runs of 6-10 rounds; medians 15.0 against 18.2 ms, 15.8 against 18.9, 17.3 against 19.9)
+// and 0.76-0.82x two at a time, but 0.98-1.15x three at a time and 0.98-1.10x four (the
+// rows past two are a second pass over the panels). The plain-C++ level has no FMA
+// instruction to match brgemm's sums with, and keeps brgemm (no rows through the GEMV).
+// Not measured on the Xeon since.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kMaxGemvRows = 2;
+#elif defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kMaxGemvRows = 8;
 #else
 constexpr int64_t kMaxGemvRows = 0;
@@ -263,6 +274,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* c_ptr = out.data_ptr<float>();
   const int64_t vectors = block % kLanes == 0 ? block / kLanes : 0;
+  if (m <= kMaxGemvRows &&
+      gemv_any(vectors, a_ptr, lda, m, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
+    return out;
+  }
   if (m <= kMaxRegisterTileRows && vectors >= 2 && vectors <= kPanelVectors) {
     parallel_stealing(packed.size(0), [&](StealingCursor& cursor) {
       for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
@@ -274,10 +289,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                        next);
       }
     });
-    return out;
-  }
-  if (m <= kMaxGemvRows &&
-      gemv_any(vectors, a_ptr, lda, m, b_ptr, packed.size(0), k, bias_ptr, c_ptr, n)) {
     return out;
   }
   brgemm_rows(a_ptr, lda, m, b_ptr, packed.size(0), k, block, bias_ptr, c_ptr, n);
