@@ -140,6 +140,35 @@ def test_gate_up_pairs_store_silu_of_gate_times_up_bit_for_bit(
 
 
 @needs_pairs
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+# Panels a thread takes four at a time and the rest one by one: 3, 30 and 48 panels, the
+# last of 6 columns (70, 90) or whole.
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 334), (960, 576), (1536, 90)])
+@torch.inference_mode()
+def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(
+    bias: bool, out_features: int, in_features: int
+) -> None:
+    """A lone request's decode step (one row: four panels side by side) sums each output
+    as the tile does a batch's rows, so a greedy request picks the same tokens alone as
+    beside others; silu(gate) * up's pairs too."""
+    x, weight, bias_value = _operands(3, out_features, in_features, bias)
+    packed = torch.ops.duoserve.pack_bf16_pairs(weight)
+    together = torch.ops.duoserve.bf16_pairs_linear(x, packed, out_features, bias_value)
+    fused = torch.ops.duoserve.pack_bf16_gate_up_pairs(weight) if out_features % 32 == 0 else None
+    for row in range(3):
+        alone = torch.ops.duoserve.bf16_pairs_linear(
+            x[row : row + 1], packed, out_features, bias_value
+        )
+        assert torch.equal(alone.view(torch.int16), together[row : row + 1].view(torch.int16))
+        if fused is not None:
+            gate_up = torch.ops.duoserve.bf16_pairs_silu_mul(
+                x[row : row + 1], fused, out_features, bias_value
+            )
+            expected = torch.ops.duoserve.bf16_pairs_silu_mul(x, fused, out_features, bias_value)
+            assert torch.equal(gate_up.view(torch.int16), expected[row : row + 1].view(torch.int16))
+
+
+@needs_pairs
 @torch.inference_mode()
 def test_gate_up_pairs_refuse_halves_of_a_partial_panel() -> None:
     x, weight, _ = _operands(3, 40, 64, bias=False)
