@@ -70,9 +70,9 @@ constexpr int64_t kMaxRegisterTileRows = 0;
 // faster (three alternating rounds in one process). On AVX-512 the GEMV reads four panels side
 // by side (one pass for up to two rows) where the tile reads one and prefetches the next: on
 // the Zen 4, greedy requests decoding together in one process, alternating the two paths
-// round by round (128 tokens a round), took 0.78-0.99x the tile's time a token alone (three
-// runs of 6-10 rounds; medians 15.0 against 18.2 ms, 15.8 against 18.9, 17.3 against 19.9)
-// and 0.76-0.82x two at a time, but 0.98-1.15x three at a time and 0.98-1.10x four (the
+// round by round (128 tokens a round), took 0.76-0.99x the tile's time a token alone (four
+// runs of 6-10 rounds; medians 15.0 against 18.2 ms, 15.8 against 18.9, 17.3 against 19.9,
+// 19.4 against 20.6) and 0.76-0.82x two at a time, but 0.98-1.15x three at a time and 0.98-1.10x four (the
 // rows past two are a second pass over the panels). The plain-C++ level has no FMA
 // instruction to match brgemm's sums with, and keeps brgemm (no rows through the GEMV).
 // Not measured on the Xeon since.
