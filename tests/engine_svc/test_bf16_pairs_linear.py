@@ -141,16 +141,18 @@ def test_gate_up_pairs_store_silu_of_gate_times_up_bit_for_bit(
 
 @needs_pairs
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-# Panels a thread takes four at a time and the rest one by one: 3, 30 and 48 panels, the
-# last of 6 columns (70, 90) or whole.
-@pytest.mark.parametrize(("out_features", "in_features"), [(70, 334), (960, 576), (1536, 90)])
+# Panels a thread takes four at a time and the rest one by one: 3, 16, 30 and 48 panels, the
+# last of 6 columns in the first two (in the second, inside a group of four with 2 threads).
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(70, 334), (486, 576), (960, 576), (1536, 90)]
+)
 @torch.inference_mode()
 def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(
     bias: bool, out_features: int, in_features: int
 ) -> None:
     """A lone request's decode step (one row: four panels side by side) sums each output
-    as the tile does a batch's rows, so a greedy request picks the same tokens alone as
-    beside others; silu(gate) * up's pairs too."""
+    as the dot-product tile does a batch's rows (under 4 rows on AMX), so a greedy request
+    picks the same tokens alone as beside others; silu(gate) * up's pairs too."""
     x, weight, bias_value = _operands(3, out_features, in_features, bias)
     packed = torch.ops.duoserve.pack_bf16_pairs(weight)
     together = torch.ops.duoserve.bf16_pairs_linear(x, packed, out_features, bias_value)

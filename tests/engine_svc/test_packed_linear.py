@@ -42,10 +42,11 @@ def _lanes() -> int:
     return build.lanes
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, 128, 129, 600])
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 128, 129, 600])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (100, 576), (960, 1536)])
-# On AVX-512, blocks of 2, 3 and 4 vectors take the register tile up to 128 rows; 40
-# columns, a width it has no tile for, take brgemm at every row count (as all do on AVX2).
+# On AVX-512, blocks of 2, 3 and 4 vectors take the GEMV at 1-2 rows and the register tile up
+# to 128 (on AVX2 the GEMV up to 8, then brgemm); 40 columns, a width neither has code for,
+# take brgemm at every row count.
 @pytest.mark.parametrize("vectors", [2, 3, 4, None])
 def test_packed_linear_is_as_close_as_torch_to_float64(
     rows: int, out_features: int, in_features: int, vectors: int | None
@@ -236,25 +237,31 @@ def test_one_row_alone_gets_the_bits_it_gets_in_a_batch(vectors: int) -> None:
 
 
 @pytest.mark.parametrize("vectors", [2, 3, 4])
-def test_rows_get_the_same_bits_through_the_gemv_the_tile_and_brgemm(vectors: int) -> None:
+# 1,000 columns: 8 to 32 panels, so that each of two threads' GEMV takes whole groups of
+# panels side by side, and the last panel partly padding.
+@pytest.mark.parametrize("out_features", [200, 1000])
+def test_rows_get_the_same_bits_through_the_gemv_the_tile_and_brgemm(
+    vectors: int, out_features: int
+) -> None:
     """140 rows go through brgemm (past the register tile's 128 on AVX-512, past the GEMV's 8
     on AVX2); their slices through the GEMV (1-2 rows on AVX-512) and the tile (3-128): each
     sums a row in k order from zero and adds the bias last, so a request's tokens do not
     depend on how many others share its step."""
-    weight, bias = _weights(200, 576)
+    weight, bias = _weights(out_features, 576)
     packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
     batch = torch.randn(140, 576, generator=torch.Generator().manual_seed(4))
     for with_bias in (None, bias):
-        together = torch.ops.duoserve.packed_linear(batch, packed, 200, with_bias)
+        together = torch.ops.duoserve.packed_linear(batch, packed, out_features, with_bias)
         for rows in (1, 2, 3, 8, 9, 64, 128):
-            part = torch.ops.duoserve.packed_linear(batch[:rows], packed, 200, with_bias)
+            part = torch.ops.duoserve.packed_linear(batch[:rows], packed, out_features, with_bias)
             assert torch.equal(part, together[:rows]), rows
 
 
 @pytest.mark.parametrize("vectors", [2, 3, 4])
 def test_a_few_rows_get_the_bits_they_get_in_a_bigger_batch(vectors: int) -> None:
-    """A decode step of a few requests (a GEMV over a few rows on AVX2, two at a time) sums
-    each row as a bigger batch's brgemm does, whatever the rows' count and stride."""
+    """A decode step of a few requests (the GEMV over 1-8 rows on AVX2 and 1-2 on AVX-512, two
+    at a time; the register tile from 3 rows on AVX-512) sums each row as a bigger batch does,
+    whatever the rows' count and stride."""
     weight, bias = _weights(200, 576)
     packed = torch.ops.duoserve.pack_linear_weight(weight, vectors * _lanes())
     wide = torch.randn(20, 600, generator=torch.Generator().manual_seed(3))

@@ -1,7 +1,7 @@
 // What bf16_pairs_linear.cpp's two paths share over the panels packed in pairs of k: the
 // panel's width, where its results go (a plain output, or silu(gate) * up's), and the
-// epilogue that adds the bias and rounds each sum to bfloat16 once (the dot-product tiles
-// there, the AMX tiles in bf16_pairs_amx.h).
+// epilogue that adds the bias and rounds each sum to bfloat16 once (the dot-product tiles and
+// the one-row GEMV there, the AMX tiles in bf16_pairs_amx.h).
 #pragma once
 
 #include "vec.h"

@@ -7,7 +7,7 @@
 // the weights streaming against 14.5 with them in cache (the Zen 5), about the time the
 // 212 MB take to arrive. Here, as the float32 register tile does (gemm_tile.h), each panel
 // of columns is computed while the thread's next panel is requested into L2, spread over the
-// loop.
+// loop; one row (a lone request) reads four panels side by side instead (pairs_row).
 //
 // Layout: [ceil(N / block), K / 2, block, 2]: each panel is K / 2 steps of `block` columns
 // times two consecutive k, so one 64-byte vector holds 16 columns' pairs, what vdpbf16ps
@@ -154,7 +154,9 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
 // row's k times that pair row of every panel, so a thread reads kRowPanels streams at once
 // where the tile above reads one and requests the next (the float32 GEMV's pattern,
 // panel_gemv.h). The sums are the tile's (each output's in pair order from zero, the same
-// epilogue), so a row gets the same bits alone as in a batch. On the Zen 4 (AVX512-BF16, no
+// epilogue), so a row gets the same bits alone as in a batch the tile takes (batches of 4
+// rows or more on AMX go through its tiles: a unit apart now and then). Also AMX's path for
+// one row (its tiles start at 4), not measured there. On the Zen 4 (AVX512-BF16, no
 // AMX), a greedy request decoding alone in one process, alternating the two paths round by
 // round (128 tokens a round): 0.74-1.10x the tile's time a token, 19 of 20 rounds faster,
 // medians 8.55 against 9.63 ms; a second run 0.83-1.02x, 10.64 against 11.26. Two rows over

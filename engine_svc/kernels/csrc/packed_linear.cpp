@@ -67,15 +67,15 @@ constexpr int64_t kMaxRegisterTileRows = 0;
 // per panel call that a GEMV's streaming does not hide: on the Zen 3, SmolLM2's 120 decoder
 // projections at 2 rows took 13.0-16.3 ms here against 18.7-21.2 through brgemm, at 6 rows
 // 18.9-21.6 against 22.3-24.7, at 8 alike (23.1-23.8 against 23.6-26.0), and at 12 brgemm was
-// faster (three alternating rounds in one process). On AVX-512 the GEMV reads four panels side
-// by side (one pass for up to two rows) where the tile reads one and prefetches the next: on
-// the Zen 4, greedy requests decoding together in one process, alternating the two paths
-// round by round (128 tokens a round), took 0.76-0.99x the tile's time a token alone (four
-// runs of 6-10 rounds; medians 15.0 against 18.2 ms, 15.8 against 18.9, 17.3 against 19.9,
-// 19.4 against 20.6) and 0.76-0.82x two at a time, but 0.98-1.15x three at a time and 0.98-1.10x four (the
-// rows past two are a second pass over the panels). The plain-C++ level has no FMA
-// instruction to match brgemm's sums with, and keeps brgemm (no rows through the GEMV).
-// Not measured on the Xeon since.
+// faster (three alternating rounds in one process). On AVX-512 the GEMV reads up to four panels
+// side by side (3-4 for two rows, 4 for one; one pass for up to two rows) where the tile reads
+// one and prefetches the next: on the Zen 4, greedy requests decoding together in one process,
+// alternating the two paths round by round (128 tokens a round), took 0.76-0.99x the tile's
+// time a token alone (four runs of 6-10 rounds; medians 15.0 against 18.2 ms, 15.8 against
+// 18.9, 17.3 against 19.9, 19.4 against 20.6) and 0.76-0.82x two at a time, but 0.98-1.15x
+// three at a time and 0.98-1.10x four (the rows past two are a second pass over the panels);
+// not measured on the Xeon. The plain-C++ level has no FMA instruction to match brgemm's sums
+// with, and keeps brgemm (no rows through the GEMV).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kMaxGemvRows = 2;
 #elif defined(CPU_CAPABILITY_AVX2)

@@ -1,6 +1,7 @@
 // One row (a lone request's decode step), or a few (float32), times a weight packed in column
-// panels (packed_linear.cpp's layout), where the register tile does not take them (every
-// build but AVX-512's): each thread streams its panels from memory once.
+// panels (packed_linear.cpp's layout): 1-8 float32 rows on AVX2 and 1-2 on AVX-512
+// (packed_linear.cpp's kMaxGemvRows), one bfloat16 row where torch has no bfloat16
+// arithmetic. Each thread streams its panels from memory once, several side by side.
 #pragma once
 
 #include "vec.h"
