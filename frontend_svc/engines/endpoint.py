@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.engines.convert import to_engine_load, to_model_info
+from frontend_svc.engines.errors import REFUSALS
 from frontend_svc.engines.multiplexer import Multiplexer
 from frontend_svc.messages import ModelInfo
 from shared.engine_load import EngineLoad
@@ -21,11 +22,6 @@ from shared.grpc_tls import ClientTLS, FilesWatcher
 from shared.protos import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-# An engine's answers to a frontend whose credentials it does not take (a missing or revoked
-# token): configuration to fix, not an engine down; its health watch, open to all, cannot
-# tell, so the authenticated load poll does.
-REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 MAX_MESSAGE_BYTES = 16 << 20
 CHANNEL_OPTIONS = [

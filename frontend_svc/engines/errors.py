@@ -15,17 +15,20 @@ from shared.errors import (
     InvalidRequestError,
 )
 
-# The engine could not take or finish the request (gone, starting, draining, full); the
-# request itself is fine, so another engine may serve it.
+# An engine's answers to a frontend whose credentials it does not take (a missing or revoked
+# token, a certificate): configuration to fix, not the client's request; the endpoint's
+# authenticated polls take the engine out of service while it answers so.
+REFUSALS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+# The engine could not take or finish the request (gone, starting, draining, full, refusing
+# this frontend); the request itself is fine, so another engine may serve it (UNAVAILABLE to
+# the client, not INTERNAL).
 _ENGINE_TROUBLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.CANCELLED,  # cancelled by the engine's side: it is shutting down
     grpc.StatusCode.ABORTED,
-    # The engine refuses this frontend's token or certificate: the client's request is
-    # fine, and another engine may take it (UNAVAILABLE to the client, not INTERNAL).
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED,
+    *REFUSALS,
 }
 
 # engine.v1 fields the frontend fills from one of the client's that has another name.
