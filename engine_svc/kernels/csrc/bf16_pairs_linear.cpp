@@ -7,7 +7,7 @@
 // the weights streaming against 14.5 with them in cache (the Zen 5), about the time the
 // 212 MB take to arrive. Here, as the float32 register tile does (gemm_tile.h), each panel
 // of columns is computed while the thread's next panel is requested into L2, spread over the
-// loop; one row (a lone request) reads four panels side by side instead (pairs_row).
+// loop; one row (a lone request) reads up to four panels side by side instead (pairs_row).
 //
 // Layout: [ceil(N / block), K / 2, block, 2]: each panel is K / 2 steps of `block` columns
 // times two consecutive k, so one 64-byte vector holds 16 columns' pairs, what vdpbf16ps
@@ -189,31 +189,29 @@ void pairs_row(const at::BFloat16* __restrict a, const at::BFloat16* const* pane
   }
 }
 
-// The row over every panel, the threads stealing them kRowPanels at a time (the last few
-// one by one).
+// The row over every panel, the threads stealing them in groups of up to kRowPanels, as even
+// as each thread's range allows (for_each_group).
 template <bool kSiluMul>
 void pairs_gemv(const at::BFloat16* a, const at::BFloat16* packed, int64_t blocks,
                 int64_t pairs, const float* bias, const Output& out) {
   const int64_t panel_size = pairs * kPairsBlock * 2;
   parallel_stealing(blocks, [&](StealingCursor& cursor) {
-    const at::BFloat16* panels[kRowPanels];
-    const float* biases[kRowPanels];
-    at::BFloat16* outs[kRowPanels];
-    int64_t cols[kRowPanels];
-    int taken = 0;
-    for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-      panels[taken] = packed + b * panel_size;
-      biases[taken] = bias != nullptr ? bias + b * kPairsBlock : nullptr;
-      outs[taken] = out.panel_row(0, b);
-      cols[taken] = out.cols(b);
-      if (++taken == kRowPanels) {
-        pairs_row<kRowPanels, kSiluMul>(a, panels, pairs, biases, outs, cols);
-        taken = 0;
+    for_each_group<kRowPanels>(cursor, [&](const int64_t* items, int count) {
+      const at::BFloat16* panels[kRowPanels];
+      const float* biases[kRowPanels];
+      at::BFloat16* outs[kRowPanels];
+      int64_t cols[kRowPanels];
+      for (int i = 0; i < count; ++i) {
+        const int64_t b = items[i];
+        panels[i] = packed + b * panel_size;
+        biases[i] = bias != nullptr ? bias + b * kPairsBlock : nullptr;
+        outs[i] = out.panel_row(0, b);
+        cols[i] = out.cols(b);
       }
-    }
-    for (int i = 0; i < taken; ++i) {
-      pairs_row<1, kSiluMul>(a, panels + i, pairs, biases + i, outs + i, cols + i);
-    }
+      with_count<kRowPanels>(count, [&](auto size) {
+        pairs_row<decltype(size)::value, kSiluMul>(a, panels, pairs, biases, outs, cols);
+      });
+    });
   });
 }
 

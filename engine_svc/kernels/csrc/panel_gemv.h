@@ -174,35 +174,33 @@ void rows_times_panels(const float* a, int64_t lda, int64_t m, const W* const* p
   }
 }
 
-// The panels a thread takes from its cursor, kPanels at a time (the last few one by one),
-// each group times all m rows, kRows at a time: the group's panels stream from memory for the
-// first rows and come from L2 for the others. Two rows a pass (two panels) measured faster
-// on the Zen 3 than one (four panels) at 2-16 rows; 3 or 4 rows a pass (one panel) ran no
-// faster than brgemm at 3-4 rows.
+// The panels a thread takes from its cursor, in groups of up to kPanels as even as its range
+// allows (for_each_group), each group times all m rows, kRows at a time: the group's panels
+// stream from memory for the first rows and come from L2 for the others. Two rows a pass
+// (two panels) measured faster on the Zen 3 than one (four panels) at 2-16 rows; 3 or 4 rows
+// a pass (one panel) ran no faster than brgemm at 3-4 rows.
 template <int kVecs, int kRows, typename W>
 void gemv_panel_groups(StealingCursor& cursor, const float* a, int64_t lda, int64_t m,
                        const W* weights, int64_t k, const float* bias, W* c, int64_t n) {
   constexpr int kPanels = gemv_panels_at_once<kVecs, kRows>();
   constexpr int64_t block = kVecs * kLanes;
-  const W* panels[kPanels];
-  const float* biases[kPanels];
-  W* outs[kPanels];
-  int64_t cols[kPanels];
-  int taken = 0;
-  for (int64_t b = cursor.next(); b >= 0; b = cursor.next()) {
-    panels[taken] = weights + b * panel_size<W>(k, block);
-    biases[taken] = bias != nullptr ? bias + b * block : nullptr;
-    outs[taken] = c + b * block;
-    cols[taken] = std::min(block, n - b * block);
-    if (++taken == kPanels) {
-      rows_times_panels<kVecs, kRows, kPanels>(a, lda, m, panels, k, biases, outs, n, cols);
-      taken = 0;
+  for_each_group<kPanels>(cursor, [&](const int64_t* items, int count) {
+    const W* panels[kPanels];
+    const float* biases[kPanels];
+    W* outs[kPanels];
+    int64_t cols[kPanels];
+    for (int i = 0; i < count; ++i) {
+      const int64_t b = items[i];
+      panels[i] = weights + b * panel_size<W>(k, block);
+      biases[i] = bias != nullptr ? bias + b * block : nullptr;
+      outs[i] = c + b * block;
+      cols[i] = std::min(block, n - b * block);
     }
-  }
-  for (int i = 0; i < taken; ++i) {
-    rows_times_panels<kVecs, kRows, 1>(a, lda, m, panels + i, k, biases + i, outs + i, n,
-                                       cols + i);
-  }
+    with_count<kPanels>(count, [&](auto size) {
+      rows_times_panels<kVecs, kRows, decltype(size)::value>(a, lda, m, panels, k, biases, outs,
+                                                             n, cols);
+    });
+  });
 }
 
 // m rows (1 for bfloat16; at most kMaxGemvRows) over every panel, the threads stealing them.
