@@ -150,11 +150,11 @@ void pairs_gemm(const at::BFloat16* a, int64_t lda, int64_t m, const at::BFloat1
   });
 }
 
-// One row (a lone request's decode step), kRowPanels panels side by side: each pair of the
-// row's k times that pair row of every panel, so a thread reads kRowPanels streams at once
-// where the tile above reads one and requests the next (the float32 GEMV's pattern,
-// panel_gemv.h). The sums are the tile's (each output's in pair order from zero, the same
-// epilogue), so a row gets the same bits alone as in a batch the tile takes (batches of 4
+// One row (a lone request's decode step), kPanels panels side by side (up to kRowPanels):
+// each pair of the row's k times that pair row of every panel, so a thread reads kPanels
+// streams at once where the tile above reads one and requests the next (the float32 GEMV's
+// pattern, panel_gemv.h). The sums are the tile's (each output's in pair order from zero,
+// the same epilogue), so a row gets the same bits alone as in a batch the tile takes (batches of 4
 // rows or more on AMX go through its tiles: a unit apart now and then). Also AMX's path for
 // one row (its tiles start at 4), not measured there. On the Zen 4 (AVX512-BF16, no
 // AMX), a greedy request decoding alone in one process, alternating the two paths round by

@@ -136,11 +136,11 @@ void parallel_stealing(int64_t n, const Worker& worker) {
 // group could have taken it. With nothing left of its own (stealing), kMax.
 // The one-row GEMVs read a group's panels side by side (panel_gemv.h, bf16_pairs_linear.cpp).
 // Taken 4 at a time with the rest one by one, SmolLM2's float32 q/k/v (20 panels) and o and
-// down (12 each) left each of two threads 4+4+1+1 and 4+1+1 panels, a third of them read as
-// a single stream. On the Zen 4 VM, its 120 projections at one row from Python, alternating
-// both ways call round by call round in one process (12 rounds, the same bits): 9.92 against
-// 10.41 ms and 11.84 against 12.55 (medians); bfloat16 (18 and 30 panels) alike, 9.37 against
-// 9.31.
+// down (12 each) left each of two threads 4+4+1+1 and 4+1+1 panels: 6 of a thread's 22 read
+// as a single stream. On the Zen 4 VM, its 120 projections at one row from Python, old and
+// new alternating round by round in one process (12 rounds, the same bits): 10.41 against
+// 9.92 ms and 12.55 against 11.84 (medians); bfloat16 (18 and 30 panels) alike, 9.31 against
+// 9.37.
 template <int kMax>
 int group_size(int64_t left) {
   if (left <= 0) return kMax;
