@@ -134,6 +134,24 @@ def test_kernel_matches_torch_for_many_sequences() -> None:
     torch.testing.assert_close(got, _reference(inputs, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loading_a_sequences_rows_first_changes_no_bits(dtype: torch.dtype) -> None:
+    """Whole-sequence tasks load a sequence's rows into cache before its passes where they fit
+    in twice the L2 (the short ones) and prefetch them as they go where not (8,000 tokens:
+    12 MB of float32 rows, 6 MB of bfloat16, past twice any x86 core's L2); a sequence alone
+    takes one task per KV head, which prefetches. Each sequence's output is the same bits."""
+    short = torch.randint(1, 300, (15,), generator=torch.Generator().manual_seed(4)).tolist()
+    lens = [8000, *short]
+    q, k_cache, v_cache, tables, context_lens = _case(16, 9, 3, 16, lens, dtype, seed=4)
+    together = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, max(lens), 0.125)
+    for s, length in enumerate(lens):
+        one = slice(s, s + 1)
+        alone = paged_decode_attention(
+            q[one], k_cache, v_cache, tables[one], context_lens[one], length, 0.125
+        )
+        assert torch.equal(together[one], alone), f"sequence {s} ({length} tokens)"
+
+
 # bfloat16 at head_dim 64 and 128 takes the vector path, widening the cache's rows as it
 # reads them; at 80, and float16 at any size, the generic loop. 64 sequences: each task
 # reads whole cache rows (every KV head).

@@ -5,7 +5,8 @@
 // sliding window (window > 0), to the last `window` of them only: the blocks before are not
 // read (they may have been released and handed to another request). Work is split over
 // sequences (or (sequence, KV head) pairs when there are few) on torch's intra-op thread
-// pool; the query heads that share a KV head read each K/V row once, together.
+// pool; the query heads that share a KV head read each K/V row once, together. A sequence's
+// task loads its rows into cache before its passes where they fit (paged_rows.h).
 //
 // Math is in float32 whatever the cache dtype: scores = q.k * scale, a max-subtracted
 // softmax over the context, then the probability-weighted sum of V.
@@ -171,6 +172,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const T* v_ptr = v_cache.data_ptr<T>();
     T* out_ptr = out.data_ptr<T>();
     const int64_t per_kv = shape.num_heads / shape.num_kv_heads;
+    // Whole-sequence tasks load their rows first where they fit (paged_rows.h).
+    const bool whole_rows = kv_per_task == shape.num_kv_heads;
+    const int64_t max_loaded_tokens =
+        kLoadedRowsPerL2 * l2_cache_bytes() / (2 * row * static_cast<int64_t>(sizeof(T)));
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       // The thread's room, kept between calls (every layer of every step calls): scores for
       // the heads one KV head's pass takes, V sums, row offsets. Every score read is written
@@ -190,12 +195,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t kv_begin = (task % tasks_per_seq) * kv_per_task;
         const TokenRows rows = locate_rows(tables + s * shape.max_blocks, first_token(s), lens[s],
                                            shape.block_size, row, offsets);
+        const bool loaded = whole_rows && rows.count <= max_loaded_tokens;
+        if (loaded) load_rows(k_ptr, v_ptr, rows, row);
         for (int64_t h = kv_begin; h < kv_begin + kv_per_task; ++h) {
           const T* q_head = q_ptr + s * shape.q_row_stride + h * per_kv * shape.q_head_stride;
           T* out_head = out_ptr + s * shape.out_row_stride + h * per_kv * shape.head_dim;
           attend(q_head, shape.q_head_stride, k_ptr + h * shape.head_dim,
                  v_ptr + h * shape.head_dim, rows, static_cast<float>(scale), out_head,
-                 scores.data(), acc.data(), per_kv, true);
+                 scores.data(), acc.data(), per_kv, !loaded);
         }
       }
     });
