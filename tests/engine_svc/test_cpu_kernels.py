@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,14 +135,31 @@ def test_kernel_matches_torch_for_many_sequences() -> None:
     torch.testing.assert_close(got, _reference(inputs, 0.125), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("two_threads")
 def test_loading_a_sequences_rows_first_changes_no_bits(dtype: torch.dtype) -> None:
-    """Whole-sequence tasks load a sequence's rows into cache before its passes where they fit
-    in twice the L2 (the short ones) and prefetch them as they go where not (8,000 tokens:
-    12 MB of float32 rows, 6 MB of bfloat16, past twice any x86 core's L2); a sequence alone
-    takes one task per KV head, which prefetches. Each sequence's output is the same bits."""
+    """With 8 or more sequences on 2 threads each task takes a whole sequence: it loads the
+    sequence's rows into cache before its passes where they fit in twice the L2 (the short
+    ones) and prefetches them as it goes where not (the long one, sized from the L2 the C
+    library reports); a sequence alone takes one task per KV head, which prefetches. Each
+    sequence's output is the same bits either way."""
+    # The L2 as the kernel reads it: glibc's sysconf, which Python does not expose.
+    reported = subprocess.run(
+        ["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    l2_bytes = int(reported) if reported.isdigit() and int(reported) > 0 else 512 << 10
+    row_bytes = 2 * 3 * 64 * torch.tensor([], dtype=dtype).element_size()  # K and V, a token
+    long_len = 2 * l2_bytes // row_bytes + 16
     short = torch.randint(1, 300, (15,), generator=torch.Generator().manual_seed(4)).tolist()
-    lens = [8000, *short]
+    lens = [long_len, *short]
     q, k_cache, v_cache, tables, context_lens = _case(16, 9, 3, 16, lens, dtype, seed=4)
     together = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, max(lens), 0.125)
     for s, length in enumerate(lens):

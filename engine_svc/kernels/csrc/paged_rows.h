@@ -70,26 +70,29 @@ inline TokenRows locate_rows(const int32_t* table, int64_t first, int64_t contex
 // noise; the caches on transparent huge pages (in the engine's order) 0.93-1.11x.
 constexpr int64_t kLeadTokens = 40;
 
-// A task of whole sequences (every KV head) loads its K and V rows before its passes, token by
-// token, a byte every 64 (a cache line's), when they take at most kLoadedRowsPerL2 times the core's
-// L2: then the passes read them from cache, without prefetching. A pass over one KV head reads a
-// third of each row (SmolLM2), a stride the hardware prefetchers follow poorly, and the software
-// prefetches (kLeadTokens) hold the core's few L1 miss buffers; loads over whole rows, in order,
-// are a stream the prefetchers run ahead of. On the Zen 4 VM (AMD EPYC family 25 model 17, 1 MB of
-// L2; 64 sequences, SmolLM2's heads, 30 layers, blocks in order, caches evicted between layers,
-// alternating in one process): float32 at 192 tokens 29.6 against 42.1 ms (30.3 loading K's rows
-// then V's; 36.4 requesting the rows with prefetches instead of loading them), 400 tokens 63.5
-// against 81.4, 800 (32 sequences) 94.6 against 115.5, 1,300 (16 sequences, 2 MB of rows each: the
-// limit there) 52.1 against 58.8; bfloat16 at 192 tokens 15.8 against 21.3; the x86-64-v3 build
-// 30.6 against 36.9 (float32) and 21.8 against 30.1 (bfloat16). A float32 batch of 64 greedy
-// requests (128 prompt tokens, 128 new) through the engine: 139.2 against 152.5 ms an output token,
-// the same tokens. Tasks of one KV head (a few sequences) keep the prefetches: loading their part
-// of the rows first measured alike. Tried, no faster (float32, 64 sequences of 192 tokens):
-// claiming the next task ahead and requesting a third of its rows after each KV head's passes, into
-// L2 31.2 ms and into L1 34.7 against 26.9 loading first; loading that third instead, 25.8.
+// A task of whole sequences (every KV head) on the vector path loads its K and V rows before its
+// passes, token by token, a byte every 64 (a cache line's), when they take at most kLoadedRowsPerL2
+// times the L2 the C library reports: then the passes read them from cache, without prefetching. A
+// pass over one KV head reads a third of each row (SmolLM2), a stride the hardware prefetchers
+// follow poorly, and the software prefetches (kLeadTokens) hold the core's few L1 miss buffers;
+// loads over whole rows, in order, are a stream the prefetchers run ahead of. On the Zen 4 VM (AMD
+// EPYC family 25 model 17, 1 MB of L2 a core; 64 sequences, SmolLM2's heads, 30 layers, blocks in
+// order, caches evicted between layers, alternating in one process): float32 at 192 tokens 29.6
+// against 42.1 ms (30.3 loading K's rows then V's; 36.4 requesting the rows with prefetches instead
+// of loading them), 400 tokens 63.5 against 81.4, 800 (32 sequences) 94.6 against 115.5, 1,300 (16
+// sequences, 2 MB of rows each: the limit there) 52.1 against 58.8; bfloat16 at 192 tokens 15.8
+// against 21.3; the x86-64-v3 build 30.6 against 36.9 (float32) and 21.8 against 30.1 (bfloat16). A
+// float32 batch of 64 greedy requests (128 prompt tokens, 128 new) through the engine: 139.2
+// against 152.5 ms an output token, the same tokens. Tasks of one KV head (a few sequences) keep
+// the prefetches: loading their part of the rows first measured alike. Also tried (float32, 64
+// sequences of 192 tokens, another run, where loading first took 26.9 ms): claiming the next task
+// ahead and requesting a third of its rows after each KV head's passes, into L2 31.2 ms and into L1
+// 34.7, slower; loading that third instead, 25.8, within the run's spread (25.1-27.1 against
+// 26.4-27.3) and not kept.
 constexpr int64_t kLoadedRowsPerL2 = 2;
 
-// The core's L2 in bytes, as the C library reports it (512 KiB where it does not).
+// The L2 in bytes as the C library reports it (a core's, or a cluster's where cores share one;
+// 512 KiB where it reports none).
 inline int64_t l2_cache_bytes() {
 #ifdef _SC_LEVEL2_CACHE_SIZE
   static const int64_t bytes = [] {
